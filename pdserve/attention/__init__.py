@@ -1,0 +1,3 @@
+from pdserve.attention.base import AttentionBackend, AttentionMetadata, get_attention_backend
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "get_attention_backend"]

@@ -1,0 +1,64 @@
+"""Attention backends behind one interface.
+
+The runner lays a step's tokens out flat: first the decode requests (one query token each), then the
+prefill chunks (several query tokens each). `AttentionMetadata` is built once per step and shared by
+every layer; a backend writes the new K/V into the paged cache by `slot_mapping`, then attends each
+query to its request's whole context (cached tokens plus the new ones, causally).
+
+The torch backend is the reference that runs everywhere; a CUDA backend (flash-attn, flashinfer)
+implements the same two methods and is checked against it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(slots=True)
+class PrefillSeq:
+    query_start: int  # first of its query tokens in the flat batch
+    query_len: int
+    context_len: int  # tokens it attends to, the new ones included
+    context_slots: torch.Tensor | None  # [context_len] cache slots; None when nothing was cached before
+    mask: torch.Tensor | None  # [query_len, context_len] bool causal mask, with context_slots
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V goes
+    num_decode_tokens: int  # the first tokens of the batch, one per decode request
+    decode_slots: torch.Tensor | None  # [num_decodes, max_context] int64 cache slots (padded with 0)
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] bool: True where a slot is real
+    prefills: list[PrefillSeq]
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks * block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Write k/v to the cache at meta.slot_mapping, then attend."""
+        ...
+
+
+_BACKENDS = {"torch": "pdserve.attention.torch_ref:TorchAttention"}
+
+
+def get_attention_backend(name: str = "torch") -> AttentionBackend:
+    try:
+        module, cls = _BACKENDS[name].split(":")
+    except KeyError:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(_BACKENDS)}") from None
+    return getattr(importlib.import_module(module), cls)()

@@ -1,0 +1,116 @@
+"""The offline API, familiar to vLLM users: `LLM(...).generate(prompts, params)` / `.chat(messages)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.errors import InvalidRequestError
+from pdserve.outputs import RequestOutput
+from pdserve.request import SamplingParams
+
+Prompt = str | Sequence[int]
+Message = dict[str, str]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        *,
+        scheduler: str = "prefill-first",
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 128,
+        max_model_len: int = 2048,
+        chunk_size: int | None = None,
+        block_size: int = 16,
+        kv_cache_memory_gb: float = 2.0,
+        num_blocks: int | None = None,
+        enable_prefix_caching: bool = True,
+        num_threads: int | None = None,
+        seed: int = 0,
+        model_config: ModelConfig | None = None,
+        weights: dict | None = None,
+        tokenizer: object | None = None,
+    ) -> None:
+        """`model` is a .gguf file or a Hugging Face directory (None: the bundled SmolLM2-135M-Instruct).
+        `model_config` + `weights` (+ `tokenizer`) build an engine from in-memory weights instead (tests)."""
+        config = EngineConfig(
+            model=model,
+            dtype=dtype,
+            device=device,
+            num_threads=num_threads,
+            seed=seed,
+            cache=CacheConfig(block_size, num_blocks, kv_cache_memory_gb, enable_prefix_caching),
+            scheduler=SchedulerConfig(scheduler, max_num_batched_tokens, max_num_seqs, max_model_len, chunk_size),
+        )
+        self.engine = LLMEngine(config, model_config=model_config, weights=weights, tokenizer=tokenizer)
+
+    @property
+    def tokenizer(self) -> object | None:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of `prompts`. A prompt is text
+        or a list of token ids. Invalid prompts raise InvalidRequestError before anything runs."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidRequestError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        engine = self.engine
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(engine.add_request(prompt, p))
+        except InvalidRequestError:
+            for req_id in ids:
+                engine.abort_request(req_id)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise InvalidRequestError("this engine has no tokenizer, so no chat template")
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [tok.apply_chat_template(list(c), add_generation_prompt=True) for c in convs]  # type: ignore[attr-defined]
+        return self.generate(prompts, params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        pending = set(ids)
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm or len(ids) < 2, unit="req")
+        try:
+            while pending:
+                for out in engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        finished[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for req_id in pending:
+                engine.abort_request(req_id)
+            raise
+        finally:
+            bar.close()
+        return [finished[i] for i in ids]

@@ -1,0 +1,14 @@
+"""Typed errors. User input problems are `InvalidRequestError` (HTTP 400 in the server); everything
+else that the user can cause and fix gets its own type so callers never parse messages."""
+
+
+class PdserveError(Exception):
+    """Base class of every error pdserve raises on purpose."""
+
+
+class InvalidRequestError(PdserveError, ValueError):
+    """A request (prompt or sampling parameters) that the engine refuses; nothing was allocated for it."""
+
+
+class ModelLoadError(PdserveError):
+    """A model path, architecture or tensor type that pdserve cannot load."""

@@ -1,0 +1,160 @@
+"""Paged KV-cache bookkeeping: which physical blocks each request owns. Pure Python, no torch.
+
+Blocks hold `block_size` tokens. A block is free when no request references it. A *full* block whose
+tokens have been computed gets a hash chained over its whole prefix (parent hash, its token ids), so a
+later request with the same prefix reuses it instead of recomputing (prefix caching). Freed blocks keep
+their hash and stay findable until they are handed out again: the free list is ordered so that blocks
+without a hash go first and, among cached ones, the least recently freed, tail blocks of a sequence
+before its head (the head is what other prompts share).
+
+A request's block table is `Request.block_ids`; only this class appends to or clears it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from pdserve.request import Request
+
+
+def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    """Hash of a full block given the hash of the block before it. Tuples of ints hash the same in every
+    process (no hash randomisation), so instances can compare hashes."""
+    return hash((parent_hash, tuple(token_ids)))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hashes: list[int | None] = [None] * num_blocks
+        # Blocks with no references, in the order they are handed out (first = next).
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._req_hashes: dict[str, list[int]] = {}  # req_id -> hashes of its full, computed blocks
+        self.num_prefix_hit_tokens = 0
+        self.num_prefix_queried_tokens = 0
+
+    # ---- queries -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by some request (cached-but-free blocks count as free)."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= len(self._free)
+
+    # ---- prefix cache --------------------------------------------------------------------------
+    def get_computed_blocks(self, req: Request) -> list[int]:
+        """Longest run of cached full blocks that prefixes `req`'s tokens. At least one token is always
+        left to compute (the step that computes it produces the logits to sample from). Takes no
+        references: pass the result to `allocate_slots`."""
+        if not self.enable_prefix_caching or req.block_ids:
+            return []
+        num_full = (req.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        parent: int | None = None
+        tokens = req.all_token_ids()
+        bs = self.block_size
+        for i in range(num_full):
+            h = hash_block(parent, tokens[i * bs : (i + 1) * bs])
+            block = self._cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+            parent = h
+        self.num_prefix_queried_tokens += req.num_prompt_tokens
+        self.num_prefix_hit_tokens += len(hits) * bs
+        return hits
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Register the hashes of `req`'s blocks that became full and computed since the last call."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self._req_hashes.setdefault(req.req_id, [])
+        num_full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
+        if num_full <= len(hashes):
+            return
+        bs = self.block_size
+        tokens = req.all_token_ids()
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), num_full):
+            h = hash_block(parent, tokens[i * bs : (i + 1) * bs])
+            hashes.append(h)
+            parent = h
+            block = req.block_ids[i]
+            if self.block_hashes[block] is None and h not in self._cached:
+                self.block_hashes[block] = h
+                self._cached[h] = block
+
+    # ---- allocation ----------------------------------------------------------------------------
+    def allocate_slots(self, req: Request, num_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
+        """Make `req`'s block table cover `num_tokens` tokens, first adopting `computed_blocks` (from
+        `get_computed_blocks`, only when the table is empty). All or nothing: returns False and changes
+        nothing when there are not enough free blocks."""
+        assert not computed_blocks or not req.block_ids
+        num_have = len(req.block_ids) + len(computed_blocks)
+        num_new = max(0, self.num_blocks_for(num_tokens) - num_have)
+        num_revived = sum(1 for b in computed_blocks if self.ref_counts[b] == 0)
+        if num_new + num_revived > len(self._free):
+            return False
+        for b in computed_blocks:
+            if self.ref_counts[b] == 0:
+                del self._free[b]
+            self.ref_counts[b] += 1
+            req.block_ids.append(b)
+        if computed_blocks:
+            self._req_hashes[req.req_id] = [self.block_hashes[b] for b in computed_blocks]  # type: ignore[misc]
+        for _ in range(num_new):
+            b, _ = self._free.popitem(last=False)
+            h = self.block_hashes[b]
+            if h is not None:  # evict: its contents are about to be overwritten
+                self.block_hashes[b] = None
+                if self._cached.get(h) == b:
+                    del self._cached[h]
+            self.ref_counts[b] = 1
+            req.block_ids.append(b)
+        return True
+
+    def free(self, req: Request) -> None:
+        """Drop `req`'s references; blocks nobody else holds become free (cached ones stay findable)."""
+        for b in reversed(req.block_ids):
+            self.ref_counts[b] -= 1
+            assert self.ref_counts[b] >= 0, f"block {b} freed twice"
+            if self.ref_counts[b] == 0:
+                self._free[b] = None
+                if self.block_hashes[b] is None:
+                    self._free.move_to_end(b, last=False)  # uncached blocks are reused first
+        req.block_ids.clear()
+        self._req_hashes.pop(req.req_id, None)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash (e.g. for a fair benchmark run)."""
+        for h, b in self._cached.items():
+            self.block_hashes[b] = None
+        self._cached.clear()
+        for hashes in self._req_hashes.values():
+            hashes.clear()
+
+    def check_invariants(self, live: Sequence[Request]) -> None:
+        """Every block is either free or referenced exactly as often as live requests hold it."""
+        counts = [0] * self.num_blocks
+        for req in live:
+            for b in req.block_ids:
+                counts[b] += 1
+        assert counts == self.ref_counts, "reference counts disagree with block tables"
+        assert all((c == 0) == (b in self._free) for b, c in enumerate(counts)), "free list out of sync"
+        for h, b in self._cached.items():
+            assert self.block_hashes[b] == h

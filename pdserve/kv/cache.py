@@ -1,0 +1,37 @@
+"""The paged K/V tensors. One allocation for all layers, `[num_layers, 2, num_blocks, block_size,
+num_kv_heads, head_dim]`, so moving a request's blocks (transfer, swap) is one gather per block list.
+Layers see flat `[num_blocks * block_size, num_kv_heads, head_dim]` views addressed by slot
+(`block_id * block_size + offset`)."""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.config import ModelConfig
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+class KVCache:
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.data = torch.zeros(
+            cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device
+        )
+        flat = self.data.view(cfg.num_layers, 2, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [(flat[i, 0], flat[i, 1]) for i in range(cfg.num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """K/V of the given blocks for every layer: [num_layers, 2, len(block_ids), block_size, kv_heads, head_dim]."""
+        return self.data[:, :, torch.tensor(block_ids, device=self.data.device)]
+
+    def scatter_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        self.data[:, :, torch.tensor(block_ids, device=self.data.device)] = blocks.to(self.data.device)

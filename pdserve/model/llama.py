@@ -1,0 +1,155 @@
+"""Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) in plain torch.
+
+Everything a forward needs arrives as arguments: token ids, positions, the per-layer paged KV cache and
+the step's attention metadata. Projections are fused (one QKV matmul, one gate/up matmul) to keep the
+number of ops per layer small; at 135M parameters and 30 layers, per-op overhead is a large share of a
+decode step. Logits are computed only for the rows that sample.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.attention.base import AttentionBackend, AttentionMetadata
+from pdserve.config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin for the step's positions, [T, 1, head_dim], computed once per step for all layers."""
+    freqs = positions.to(torch.float32).unsqueeze(1) * inv_freq.unsqueeze(0)  # [T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
+        self.q_size, self.kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
+        self.eps = cfg.rms_norm_eps
+        self.scale = hd**-0.5
+        self.input_norm = nn.Parameter(torch.ones(d), requires_grad=False)
+        self.post_norm = nn.Parameter(torch.ones(d), requires_grad=False)
+        self.qkv = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, d), requires_grad=False)
+        self.o = nn.Parameter(torch.empty(d, self.q_size), requires_grad=False)
+        self.gate_up = nn.Parameter(torch.empty(2 * cfg.intermediate_size, d), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(d, cfg.intermediate_size), requires_grad=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        h = rms_norm(x, self.input_norm, self.eps)
+        q, k, v = F.linear(h, self.qkv).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        a = attn.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        x = x + F.linear(a.reshape(t, self.q_size), self.o)
+        h = rms_norm(x, self.post_norm, self.eps)
+        gate, up = F.linear(h, self.gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
+        self.layers = nn.ModuleList(LlamaLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size), requires_grad=False)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False
+        )
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer, flat [slots, kv_heads, head_dim]
+        meta: AttentionMetadata,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        x = F.embedding(input_ids, self.embed)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, k_cache, v_cache, meta, attn)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits for the given rows of hidden states (only the rows that sample)."""
+        return F.linear(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
+
+    @torch.no_grad()
+    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy Hugging Face-named Llama weights in, fusing q/k/v and gate/up."""
+        def take(name: str) -> torch.Tensor:
+            try:
+                return weights[name]
+            except KeyError:
+                raise KeyError(f"checkpoint lacks tensor {name!r}") from None
+
+        self.embed.copy_(take("model.embed_tokens.weight"))
+        self.norm.copy_(take("model.norm.weight"))
+        if not self.cfg.tie_word_embeddings:
+            self.lm_head.copy_(take("lm_head.weight"))
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            layer.input_norm.copy_(take(p + "input_layernorm.weight"))
+            layer.post_norm.copy_(take(p + "post_attention_layernorm.weight"))
+            layer.qkv.copy_(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+            layer.o.copy_(take(p + "self_attn.o_proj.weight"))
+            layer.gate_up.copy_(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
+            layer.down.copy_(take(p + "mlp.down_proj.weight"))
+
+
+def random_weights(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
+    """Hugging Face-named random weights for a config: tiny models for fast tests and benchmarks."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std
+
+    def norm_w() -> torch.Tensor:
+        return 1.0 + 0.1 * torch.randn(cfg.hidden_size, generator=g)
+
+    d, hd, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    w = {"model.embed_tokens.weight": rnd(cfg.vocab_size, d), "model.norm.weight": norm_w()}
+    if not cfg.tie_word_embeddings:
+        w["lm_head.weight"] = rnd(cfg.vocab_size, d)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = norm_w()
+        w[p + "post_attention_layernorm.weight"] = norm_w()
+        w[p + "self_attn.q_proj.weight"] = rnd(cfg.num_heads * hd, d)
+        w[p + "self_attn.k_proj.weight"] = rnd(cfg.num_kv_heads * hd, d)
+        w[p + "self_attn.v_proj.weight"] = rnd(cfg.num_kv_heads * hd, d)
+        w[p + "self_attn.o_proj.weight"] = rnd(d, cfg.num_heads * hd)
+        w[p + "mlp.gate_proj.weight"] = rnd(f, d)
+        w[p + "mlp.up_proj.weight"] = rnd(f, d)
+        w[p + "mlp.down_proj.weight"] = rnd(d, f)
+    return w

@@ -1,0 +1,137 @@
+"""Requests and their sampling parameters.
+
+A request is counters, not phases: it is "in prefill" while `num_computed_tokens` trails the prompt and
+"decoding" once only its latest sampled token is left to compute. The scheduler is the only component
+that changes a request's status; the runner only reads requests through the `Batch` it is given.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+
+from pdserve.errors import InvalidRequestError
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    SENDING_KV = "sending_kv"
+    WAITING_FOR_KV = "waiting_for_kv"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"  # cancelled by the client
+    ERROR = "error"  # failed inside the engine; its blocks were freed
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop; the field names and defaults follow vLLM's."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top alternatives to return with each sampled token
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        def bad(msg: str) -> InvalidRequestError:
+            return InvalidRequestError(msg)
+
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)):
+            raise bad(f"temperature must be a finite number, got {self.temperature!r}")
+        if self.temperature < 0.0:
+            raise bad(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise bad(f"min_p must be in [0, 1], got {self.min_p}")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad(f"seed must be an integer, got {self.seed!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop must be a list of non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids must be non-negative integers")
+
+
+@dataclass(slots=True)
+class Request:
+    """One sequence being served. `prompt_token_ids + output_token_ids` are all its tokens."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    eos_token_ids: frozenset[int] = frozenset()
+    max_model_len: int = 0  # the sequence stops with LENGTH when it reaches this many tokens (0: no limit)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # of the prompt, found in the prefix cache at (last) admission
+    block_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    error: str | None = None
+    # Timestamps (time.monotonic) for metrics; filled by the scheduler and the engine.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    # Per-token logprobs, when params.logprobs is set: one dict {token_id: logprob} per output token.
+    logprobs: list[dict[int, float]] | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_id_at(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids

@@ -1,0 +1,146 @@
+"""Turns a scheduled step into tensors, runs the model and samples.
+
+Layout of a step (flat, no padding between requests): first every request with a single query token
+(decodes), then the prompt chunks. All index tensors (positions, slot mapping, decode slot table, masks)
+are built once per step on the host with tensor ops and shared by all layers. Logits are computed only
+for the last token of each request that samples this step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.attention.base import AttentionBackend, AttentionMetadata, PrefillSeq
+from pdserve.kv.cache import KVCache
+from pdserve.model.llama import LlamaModel
+from pdserve.runner.sampler import Sampler, SamplingMetadata
+from pdserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+
+
+@dataclass(slots=True)
+class ModelOutput:
+    """One entry per sampling request, in the order of `SchedulerOutput.scheduled`."""
+
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]
+    forward_time: float  # seconds spent in the model and sampler
+
+
+class ModelRunner:
+    def __init__(
+        self, model: LlamaModel, kv_cache: KVCache, attn: AttentionBackend, device: torch.device, seed: int = 0
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.attn = attn
+        self.device = device
+        self.block_size = kv_cache.block_size
+        self.vocab_size = model.cfg.vocab_size
+        self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
+        self._generators: dict[str, torch.Generator] = {}  # req_id -> generator of a seeded request
+
+    def release(self, req_id: str) -> None:
+        """Forget per-request state (called when a request finishes)."""
+        self._generators.pop(req_id, None)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelOutput:
+        t0 = time.perf_counter()
+        order = sorted(range(len(out.scheduled)), key=lambda i: out.scheduled[i].num_new_tokens != 1)
+        scheduled = [out.scheduled[i] for i in order]
+        input_ids, positions, meta, last_index = self._prepare(scheduled)
+        hidden = self.model(input_ids, positions, self.kv_cache.layers, meta, self.attn)
+
+        # Sampling rows in scheduler order, so the scheduler can zip them with its own list.
+        flat_pos = {id(s): last_index[j] for j, s in enumerate(scheduled)}
+        sampling = [s for s in out.scheduled if s.samples]
+        if not sampling:
+            return ModelOutput([], [], time.perf_counter() - t0)
+        rows = torch.tensor([flat_pos[id(s)] for s in sampling], device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        params = [s.req.params for s in sampling]
+        gens: dict[int, torch.Generator] = {}
+        for row, s in enumerate(sampling):
+            if s.req.params.seed is not None:
+                g = self._generators.get(s.req.req_id)
+                if g is None:
+                    g = torch.Generator(device=self.device).manual_seed(s.req.params.seed)
+                    self._generators[s.req.req_id] = g
+                gens[row] = g
+        md = SamplingMetadata.from_params(params, gens, self.vocab_size, self.device)
+        so = self.sampler(logits, md)
+        token_ids = so.token_ids.tolist()
+        logprobs: list[dict[int, float] | None] = [None] * len(sampling)
+        if so.logprobs is not None and so.logprob_token_ids is not None:
+            lp, ids = so.logprobs.tolist(), so.logprob_token_ids.tolist()
+            for row, p in enumerate(params):
+                if p.logprobs is not None:
+                    logprobs[row] = dict(zip(ids[row][: p.logprobs + 1], lp[row][: p.logprobs + 1]))
+        return ModelOutput(token_ids, logprobs, time.perf_counter() - t0)
+
+    def _prepare(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        bs = self.block_size
+        token_ids: list[int] = []
+        starts: list[int] = []
+        lens: list[int] = []
+        tables: list[list[int]] = []
+        for s in scheduled:
+            req, n, start = s.req, s.num_new_tokens, s.req.num_computed_tokens
+            num_prompt = req.num_prompt_tokens
+            if start + n <= num_prompt:
+                token_ids.extend(req.prompt_token_ids[start : start + n])
+            else:
+                token_ids.extend(req.all_token_ids()[start : start + n])
+            starts.append(start)
+            lens.append(n)
+            tables.append(req.block_ids)
+
+        num_reqs = len(scheduled)
+        lens_t = torch.tensor(lens)
+        starts_t = torch.tensor(starts)
+        ctx_t = starts_t + lens_t
+        max_blocks = max(len(t) for t in tables)
+        table = torch.zeros(num_reqs, max_blocks, dtype=torch.int64)
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = torch.tensor(t, dtype=torch.int64)
+
+        cu = torch.cumsum(lens_t, 0)
+        req_of_token = torch.repeat_interleave(torch.arange(num_reqs), lens_t)
+        positions = torch.arange(int(cu[-1])) - (cu - lens_t - starts_t)[req_of_token]
+        slot_mapping = table[req_of_token, positions // bs] * bs + positions % bs
+        # Slot table per request: slots of positions 0..max_ctx-1.
+        offs = torch.arange(bs)
+
+        num_decodes = sum(1 for n in lens if n == 1)
+        decode_slots = decode_mask = None
+        if num_decodes:
+            max_ctx = int(ctx_t[:num_decodes].max())
+            nb = -(-max_ctx // bs)
+            decode_slots = (table[:num_decodes, :nb, None] * bs + offs).reshape(num_decodes, nb * bs)[:, :max_ctx]
+            decode_mask = (torch.arange(max_ctx) < ctx_t[:num_decodes, None]).view(num_decodes, 1, 1, max_ctx)
+        prefills: list[PrefillSeq] = []
+        q_start = num_decodes
+        for i in range(num_decodes, num_reqs):
+            n, ctx = lens[i], starts[i] + lens[i]
+            slots = mask = None
+            if starts[i] > 0:
+                nb = -(-ctx // bs)
+                slots = (table[i, :nb, None] * bs + offs).reshape(-1)[:ctx].to(self.device)
+                rows = torch.arange(n).unsqueeze(1) + starts[i]
+                mask = (torch.arange(ctx).unsqueeze(0) <= rows).to(self.device)
+            prefills.append(PrefillSeq(q_start, n, ctx, slots, mask))
+            q_start += n
+
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping.to(dev),
+            num_decode_tokens=num_decodes,
+            decode_slots=None if decode_slots is None else decode_slots.to(dev),
+            decode_mask=None if decode_mask is None else decode_mask.to(dev),
+            prefills=prefills,
+        )
+        last_index = (cu - 1).tolist()
+        return torch.tensor(token_ids, device=dev), positions.to(dev), meta, last_index

@@ -1,0 +1,142 @@
+"""Turns one step's logits into next tokens, one row per sequence being sampled.
+
+The model runner builds a `SamplingMetadata` from the rows' `SamplingParams` (once per batch layout) and
+calls `Sampler` on the last-position logits. Logprobs are those of the raw model distribution; greedy rows
+take the argmax of the raw logits; random rows go through temperature, top-k, top-p and min-p and are drawn
+with an exponential race, so a seeded row's draw depends only on its own generator and its own logits,
+never on which other rows share the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.request import SamplingParams
+
+# Temperatures below this are treated as greedy: dividing by them overflows float32 logits.
+_MIN_TEMPERATURE = 1e-5
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Per-row sampling options as batch tensors; an option no row uses is None so its work is skipped."""
+
+    temperature: torch.Tensor  # [N] float32, 0.0 for greedy rows
+    top_k: torch.Tensor | None  # [N] int64, vocab size where off; None when no row uses top-k
+    top_p: torch.Tensor | None  # [N] float32, 1.0 where off; None when no row uses it
+    min_p: torch.Tensor | None  # [N] float32, 0.0 where off; None when no row uses it
+    generators: dict[int, torch.Generator]  # row -> generator of a seeded request
+    all_greedy: bool
+    max_num_logprobs: int | None  # max over rows of params.logprobs; None if no row wants logprobs
+
+    @classmethod
+    def from_params(
+        cls,
+        params: list[SamplingParams],
+        generators: dict[int, torch.Generator],
+        vocab_size: int,
+        device: torch.device,
+    ) -> SamplingMetadata:
+        """Greedy rows get neutral top-k/top-p/min-p values: those options only shape random draws."""
+        temperature: list[float] = []
+        top_k: list[int] = []
+        top_p: list[float] = []
+        min_p: list[float] = []
+        for p in params:
+            greedy = p.temperature < _MIN_TEMPERATURE
+            temperature.append(0.0 if greedy else float(p.temperature))
+            top_k.append(vocab_size if greedy or p.top_k <= 0 else min(p.top_k, vocab_size))
+            top_p.append(1.0 if greedy else float(p.top_p))
+            min_p.append(0.0 if greedy else float(p.min_p))
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        uses_top_k = any(k < vocab_size for k in top_k)
+        uses_top_p = any(v < 1.0 for v in top_p)
+        uses_min_p = any(v > 0.0 for v in min_p)
+        return cls(
+            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device) if uses_top_k else None,
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=device) if uses_top_p else None,
+            min_p=torch.tensor(min_p, dtype=torch.float32, device=device) if uses_min_p else None,
+            generators=generators,
+            all_greedy=all(t == 0.0 for t in temperature),
+            max_num_logprobs=max(wanted) if wanted else None,
+        )
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [N] int64
+    # [N, 1 + k] float32: logprob of the sampled token, then the k highest logprobs (k = max_num_logprobs)
+    logprobs: torch.Tensor | None
+    logprob_token_ids: torch.Tensor | None  # [N, 1 + k] int64: the sampled token id, then the top-k ids
+
+
+class Sampler:
+    """Stateless apart from `generator`, which feeds the noise of every unseeded random row."""
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        """Samples one token per row of `logits` [N, V]; never modifies `logits`."""
+        logits = logits.to(torch.float32)
+        greedy_ids = logits.argmax(dim=-1)
+        if md.all_greedy:
+            token_ids = greedy_ids
+        else:
+            token_ids = torch.where(md.temperature == 0.0, greedy_ids, self._sample(logits, md))
+
+        if md.max_num_logprobs is None:
+            return SamplerOutput(token_ids=token_ids, logprobs=None, logprob_token_ids=None)
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        top_logprobs, top_ids = raw_logprobs.topk(min(md.max_num_logprobs, logits.shape[-1]), dim=-1)
+        sampled = token_ids.unsqueeze(-1)
+        return SamplerOutput(
+            token_ids=token_ids,
+            logprobs=torch.cat([raw_logprobs.gather(-1, sampled), top_logprobs], dim=-1),
+            logprob_token_ids=torch.cat([sampled, top_ids], dim=-1),
+        )
+
+    def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        # Greedy rows are divided by 1 so they stay finite; their draw is discarded by the caller.
+        temperature = torch.where(md.temperature == 0.0, 1.0, md.temperature)
+        logits = logits / temperature.unsqueeze(-1)
+        if md.top_k is not None or md.top_p is not None:
+            logits = _apply_top_k_top_p(logits, md.top_k, md.top_p)
+        probs = torch.softmax(logits, dim=-1)
+        if md.min_p is not None:
+            threshold = md.min_p.unsqueeze(-1) * probs.amax(dim=-1, keepdim=True)
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        return self._exponential_race(probs, md.generators)
+
+    def _exponential_race(self, probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+        """argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with probability p_i / sum(p): no renormalising,
+        and each row's noise is a separate draw, so seeded rows can take theirs from their own generator."""
+        noise = torch.empty_like(probs)
+        if len(generators) < probs.shape[0]:
+            noise.exponential_(generator=self.generator)
+        for row, gen in generators.items():
+            noise[row].exponential_(generator=gen)
+        # exponential_ can return exactly 0; 0/0 would be NaN, which argmax would pick.
+        noise.clamp_min_(torch.finfo(torch.float32).tiny)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Sets to -inf every logit outside the row's top-k, then outside its top-p nucleus: the fewest
+    highest-probability tokens whose probability sums to at least top_p (the top token always stays)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        rank = torch.arange(logits.shape[-1], device=logits.device)
+        sorted_logits.masked_fill_(rank >= top_k.unsqueeze(-1), float("-inf"))
+    if top_p is not None:
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        # Rows with top_p == 1 keep everything, even when rounding lets the running sum reach 1 early.
+        drop = (mass_before >= top_p.unsqueeze(-1)) & (top_p < 1.0).unsqueeze(-1)
+        sorted_logits.masked_fill_(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

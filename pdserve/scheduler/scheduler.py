@@ -1,0 +1,235 @@
+"""The one token-budget scheduler. Pure Python: no torch (the simulator drives this same class).
+
+Each step every scheduled request gets `min(tokens it still has to compute, budget left)` tokens. A
+prompt is not a separate code path: it is a request whose `num_computed_tokens` trails by many tokens, so
+a long prompt simply takes several steps (chunked prefill) and a decode is the case of one token. The
+policy decides the order in which requests are offered the budget and whether new ones are admitted.
+
+Flow of a request: `add_request` -> waiting -> (admitted: blocks allocated, prefix cache consulted) ->
+running -> `update_from_output` appends sampled tokens and checks token-level stops -> finished (blocks
+freed). When blocks run out, the most recently admitted running request is preempted: its blocks are
+freed and it goes back to the front of the queue to be recomputed (its full blocks usually survive in the
+prefix cache, so recomputation is cheap).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pdserve.config import SchedulerConfig
+from pdserve.kv.block_manager import BlockManager
+from pdserve.request import FinishReason, Request, RequestStatus
+from pdserve.scheduler.policies import Policy, StepPlan
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    req: Request
+    num_new_tokens: int  # tokens computed this step, starting at req.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step produces the request's next token (all its known tokens are then computed)."""
+        return self.req.num_computed_tokens + self.num_new_tokens == self.req.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    num_prefill_tokens: int = 0  # tokens of requests still in their prompt (or recomputing)
+    num_decode_tokens: int = 0
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, policy: Policy) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.policy = policy
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- queue ---------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        """Queue a validated request (see `LLMEngine.add_request` for validation)."""
+        req.status = RequestStatus.WAITING
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+
+    def finish_request(self, req_id: str, reason: FinishReason, stop_reason: str | int | None = None) -> Request | None:
+        """Finish a request wherever it is (abort, stop string, error) and free its blocks."""
+        req = self.requests.get(req_id)
+        if req is None:
+            return None
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._finish(req, reason, stop_reason)
+        return req
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ---- step ----------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        for plan in self.policy.plan(self.running, self.waiting):
+            out = self._schedule(plan)
+            if out.scheduled or out.preempted:
+                return out
+        return SchedulerOutput()
+
+    def _schedule(self, plan: StepPlan) -> SchedulerOutput:
+        budget = plan.token_budget if plan.token_budget is not None else self.config.max_num_batched_tokens
+        out = SchedulerOutput()
+        chunk_cap = self.config.chunk_size or budget
+        if plan.running_first:
+            budget = self._schedule_running(plan, budget, chunk_cap, out)
+        if plan.admit:
+            budget = self._admit_waiting(plan, budget, chunk_cap, out)
+        if not plan.running_first:
+            self._schedule_running(plan, budget, chunk_cap, out)
+        now = time.monotonic()
+        for s in out.scheduled:
+            if s.req.first_scheduled_time is None:
+                s.req.first_scheduled_time = now
+        return out
+
+    def _schedule_running(self, plan: StepPlan, budget: int, chunk_cap: int, out: SchedulerOutput) -> int:
+        bm = self.block_manager
+        scheduled_ids = {id(s.req) for s in out.scheduled}
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            if id(req) in scheduled_ids:
+                i += 1
+                continue
+            remaining = req.num_tokens - req.num_computed_tokens
+            is_decode = not req.is_prefill and remaining == 1
+            if is_decode and not plan.run_decodes:
+                i += 1
+                continue
+            n = min(remaining, budget, chunk_cap if req.is_prefill else remaining)
+            while not bm.allocate_slots(req, req.num_computed_tokens + n):
+                victim = self.running[-1]
+                if id(victim) in scheduled_ids:  # never take back what this step already gave out
+                    victim = req
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                self._add(out, req, n)
+                scheduled_ids.add(id(req))
+                budget -= n
+                i += 1
+                continue
+            # `req` itself was preempted; the list shifted, keep the same index.
+        return budget
+
+    def _admit_waiting(self, plan: StepPlan, budget: int, chunk_cap: int, out: SchedulerOutput) -> int:
+        bm = self.block_manager
+        full_budget = budget
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            computed = bm.get_computed_blocks(req)
+            num_cached = len(computed) * bm.block_size
+            remaining = req.num_tokens - num_cached
+            if plan.whole_prompts:
+                # A prompt larger than a whole step's budget can only ever run in chunks.
+                if remaining > budget and not (budget == full_budget and remaining > full_budget):
+                    break
+                n = min(remaining, budget)
+            else:
+                n = min(remaining, budget, chunk_cap)
+            if not bm.allocate_slots(req, num_cached + n, computed):
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_cached
+            req.num_cached_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._add(out, req, n)
+            budget -= n
+        return budget
+
+    def _add(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        out.scheduled.append(ScheduledRequest(req, n))
+        out.num_batched_tokens += n
+        if req.num_tokens - req.num_computed_tokens == 1:
+            out.num_decode_tokens += n
+        else:
+            out.num_prefill_tokens += n
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.block_manager.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+        out.preempted.append(req)
+
+    # ---- after the forward ---------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: Iterable[int]) -> list[Request]:
+        """Advance counters by what ran; append one sampled token per sampling request (in the order
+        of `out.scheduled`); finish requests on EOS, stop token ids, max_tokens or the context length.
+        Returns the requests that got a new token, finished ones included."""
+        bm = self.block_manager
+        tokens = iter(sampled)
+        updated: list[Request] = []
+        for s in out.scheduled:
+            req = s.req
+            samples = s.samples
+            req.num_computed_tokens += s.num_new_tokens
+            bm.cache_full_blocks(req)
+            if not samples:
+                continue
+            token = next(tokens)
+            if req.is_finished:  # finished while its step was in flight (abort)
+                continue
+            req.output_token_ids.append(token)
+            updated.append(req)
+            reason, stop_reason = self._check_stop(req, token)
+            if reason is not None:
+                self.running.remove(req)
+                self._finish(req, reason, stop_reason)
+        return updated
+
+    def _check_stop(self, req: Request, token: int) -> tuple[FinishReason | None, int | None]:
+        p = req.params
+        if not p.ignore_eos and token in req.eos_token_ids:
+            return FinishReason.STOP, None
+        if token in p.stop_token_ids:
+            return FinishReason.STOP, token
+        if req.num_output_tokens >= p.max_tokens:
+            return FinishReason.LENGTH, None
+        if req.max_model_len and req.num_tokens >= req.max_model_len:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    def _finish(self, req: Request, reason: FinishReason, stop_reason: str | int | None = None) -> None:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.stop_reason = stop_reason
+        req.finished_time = time.monotonic()
+        self.block_manager.free(req)
+        self.requests.pop(req.req_id, None)

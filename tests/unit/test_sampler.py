@@ -1,0 +1,213 @@
+import pytest
+import torch
+
+from pdserve.request import SamplingParams
+from pdserve.runner.sampler import Sampler, SamplingMetadata
+
+CPU = torch.device("cpu")
+
+
+def make_md(params: list[SamplingParams], vocab_size: int, seeds: dict[int, int] | None = None):
+    gens = {row: torch.Generator().manual_seed(seed) for row, seed in (seeds or {}).items()}
+    return SamplingMetadata.from_params(params, gens, vocab_size, CPU)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], seed: int = 0, seeds=None):
+    md = make_md(params, logits.shape[-1], seeds)
+    return Sampler(torch.Generator().manual_seed(seed))(logits, md)
+
+
+def repeat_row(probs: list[float], n: int) -> torch.Tensor:
+    return torch.tensor(probs).log().expand(n, -1).contiguous()
+
+
+def sampled_set(out) -> set[int]:
+    return set(out.token_ids.tolist())
+
+
+def test_from_params_leaves_unused_options_none():
+    md = make_md([SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, top_k=5, top_p=0.5)], 10)
+    assert md.all_greedy
+    assert md.top_k is None and md.top_p is None and md.min_p is None
+    assert md.max_num_logprobs is None
+    assert md.temperature.tolist() == [0.0, 0.0]
+
+    md = make_md([SamplingParams(temperature=0.5), SamplingParams(top_k=-1), SamplingParams(top_k=100)], 10)
+    assert not md.all_greedy
+    assert md.top_k is None and md.top_p is None and md.min_p is None
+
+    md = make_md(
+        [
+            SamplingParams(temperature=0.0, logprobs=2),
+            SamplingParams(top_k=3, logprobs=5),
+            SamplingParams(top_p=0.9, min_p=0.1),
+            SamplingParams(temperature=1e-9),
+        ],
+        10,
+    )
+    assert not md.all_greedy
+    assert md.top_k.tolist() == [10, 3, 10, 10] and md.top_k.dtype == torch.int64
+    assert md.top_p.tolist() == pytest.approx([1.0, 1.0, 0.9, 1.0])
+    assert md.min_p.tolist() == pytest.approx([0.0, 0.0, 0.1, 0.0])
+    assert md.temperature.tolist() == [0.0, 1.0, 1.0, 0.0]  # a vanishing temperature is greedy
+    assert md.max_num_logprobs == 5
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(1))
+    out = sample(logits, [SamplingParams(temperature=0.0)] * 8)
+    assert torch.equal(out.token_ids, logits.argmax(-1))
+    assert out.token_ids.dtype == torch.int64
+    assert out.logprobs is None and out.logprob_token_ids is None
+
+
+def test_top_k_one_is_greedy():
+    logits = torch.randn(64, 100, generator=torch.Generator().manual_seed(2))
+    out = sample(logits, [SamplingParams(temperature=1.5, top_k=1)] * 64)
+    assert torch.equal(out.token_ids, logits.argmax(-1))
+
+
+def test_top_k_stays_in_top_k():
+    k, n = 5, 4000
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(3)).expand(n, -1)
+    out = sample(logits, [SamplingParams(temperature=2.0, top_k=k)] * n)
+    assert sampled_set(out) == set(logits[0].topk(k).indices.tolist())
+
+
+@pytest.mark.parametrize(
+    "top_p, expected",
+    [(0.3, {2}), (0.6, {2, 0}), (0.75, {2, 0, 4}), (0.9, {2, 0, 4, 1}), (1.0, {0, 1, 2, 3, 4})],
+)
+def test_top_p_keeps_smallest_set_reaching_p(top_p, expected):
+    # Probabilities by rank: 0.4, 0.3, 0.15, 0.1, 0.05 (cumulative 0.4, 0.7, 0.85, 0.95, 1.0).
+    logits = repeat_row([0.3, 0.1, 0.4, 0.05, 0.15], 4000)
+    out = sample(logits, [SamplingParams(top_p=top_p)] * 4000)
+    assert sampled_set(out) == expected
+
+
+def test_top_p_applies_after_top_k():
+    # top_k=3 leaves 0.4, 0.3, 0.15, renormalised to 0.47, 0.35, 0.18: the top two already reach 0.8,
+    # whereas top_p=0.8 on the full distribution (0.4 + 0.3 = 0.7) would need the third.
+    logits = repeat_row([0.3, 0.1, 0.4, 0.05, 0.15], 4000)
+    out = sample(logits, [SamplingParams(top_k=3, top_p=0.8)] * 4000)
+    assert sampled_set(out) == {2, 0}
+
+
+@pytest.mark.parametrize("min_p, expected", [(0.25, {0, 1, 2}), (0.35, {0, 1}), (0.05, {0, 1, 2, 3, 4})])
+def test_min_p_drops_tokens_below_fraction_of_max(min_p, expected):
+    logits = repeat_row([0.5, 0.2, 0.15, 0.1, 0.05], 4000)
+    out = sample(logits, [SamplingParams(min_p=min_p)] * 4000)
+    assert sampled_set(out) == expected
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_temperature_matches_tempered_softmax(temperature):
+    n = 20000
+    logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.5, 2.0])
+    out = sample(logits.expand(n, -1), [SamplingParams(temperature=temperature)] * n, seed=7)
+    counts = torch.bincount(out.token_ids, minlength=logits.numel()).double()
+    expected = torch.softmax(logits.double() / temperature, -1) * n
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi2 < 25.0  # 5 degrees of freedom: p ~ 1e-4 under the right law; a wrong law is far off
+
+
+def seeded_tokens(position: int, others: list[SamplingParams], steps: int = 30) -> list[int]:
+    """Tokens a seed-1234 row draws over `steps` steps, placed at `position` among `others`."""
+    target = torch.randn(1000, generator=torch.Generator().manual_seed(4))
+    params = list(others)
+    params.insert(position, SamplingParams(temperature=0.8, top_p=0.95, seed=1234))
+    gens = {position: torch.Generator().manual_seed(1234)}
+    md = SamplingMetadata.from_params(params, gens, 1000, CPU)
+    sampler = Sampler(torch.Generator().manual_seed(len(others)))
+    noise = torch.Generator().manual_seed(99 + position)
+    tokens = []
+    for _ in range(steps):
+        logits = torch.randn(len(params), 1000, generator=noise)
+        logits[position] = target
+        tokens.append(sampler(logits, md).token_ids[position].item())
+    return tokens
+
+
+def test_seeded_row_independent_of_batch():
+    alone = seeded_tokens(0, [])
+    assert len(set(alone)) > 5  # really random, not stuck on one token
+    assert seeded_tokens(1, [SamplingParams(), SamplingParams(temperature=0.0)]) == alone
+    assert seeded_tokens(3, [SamplingParams(top_k=4)] * 3 + [SamplingParams(seed=5)]) == alone
+
+
+def test_different_seeds_differ():
+    logits = torch.zeros(2, 1000)
+    params = [SamplingParams(seed=1), SamplingParams(seed=2)]
+    md = make_md(params, 1000, {0: 1, 1: 2})
+    sampler = Sampler()
+    draws = torch.stack([sampler(logits, md).token_ids for _ in range(10)])
+    assert not torch.equal(draws[:, 0], draws[:, 1])
+
+
+def test_engine_generator_makes_runs_reproducible():
+    logits = torch.randn(16, 200, generator=torch.Generator().manual_seed(5))
+    params = [SamplingParams(temperature=1.0)] * 16
+    first = sample(logits, params, seed=11).token_ids
+    assert torch.equal(sample(logits, params, seed=11).token_ids, first)
+    assert not torch.equal(sample(logits, params, seed=12).token_ids, first)
+
+
+def test_logprobs_are_raw_log_softmax():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(6))
+    params = [
+        SamplingParams(temperature=0.0, logprobs=1),
+        SamplingParams(temperature=0.3, logprobs=3),
+        SamplingParams(temperature=2.0, top_k=5, logprobs=0),
+        SamplingParams(temperature=1.0),
+    ]
+    out = sample(logits, params)
+    raw = torch.log_softmax(logits, -1)
+    top = raw.topk(3, dim=-1)
+    assert out.logprobs.shape == (4, 4) and out.logprobs.dtype == torch.float32
+    assert out.logprob_token_ids.shape == (4, 4) and out.logprob_token_ids.dtype == torch.int64
+    assert torch.equal(out.logprob_token_ids[:, 0], out.token_ids)
+    torch.testing.assert_close(out.logprobs[:, 0], raw.gather(-1, out.token_ids[:, None]).squeeze(-1))
+    assert torch.equal(out.logprob_token_ids[:, 1:], top.indices)
+    torch.testing.assert_close(out.logprobs[:, 1:], top.values)
+
+
+def test_mixed_batch():
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(8))
+    logits[3, 17] = 10.0
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.3, top_k=3),
+        SamplingParams(temperature=0.7, top_p=0.5, seed=42),
+        SamplingParams(temperature=1.0, min_p=0.9),
+        SamplingParams(temperature=0.0, top_k=2, seed=7),
+    ]
+    out = sample(logits, params, seeds={2: 42, 4: 7})
+    assert out.token_ids.shape == (5,)
+    ids = out.token_ids.tolist()
+    argmax = logits.argmax(-1).tolist()
+    assert ids[0] == argmax[0] and ids[4] == argmax[4]
+    assert ids[1] in logits[1].topk(3).indices.tolist()
+    assert ids[3] == 17  # min_p=0.9 of a peaked random row leaves only its top token
+    again = sample(logits, params, seed=123, seeds={2: 42, 4: 7})
+    assert again.token_ids[2] == out.token_ids[2]
+
+
+def test_bfloat16_logits():
+    logits = torch.randn(6, 128, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    params = [SamplingParams(temperature=0.0)] * 3 + [SamplingParams(top_k=10, top_p=0.9, logprobs=2)] * 3
+    out = sample(logits, params)
+    assert out.token_ids.dtype == torch.int64
+    assert torch.equal(out.token_ids[:3], logits.float().argmax(-1)[:3])
+    assert out.logprobs.dtype == torch.float32
+    assert torch.isfinite(out.logprobs).all()
+    for row in range(3, 6):
+        assert out.token_ids[row].item() in logits[row].float().topk(10).indices.tolist()
+
+
+def test_masked_vocab_never_sampled():
+    # -inf logits (padding past the real vocabulary) must stay unreachable, also under top-p and min-p.
+    logits = torch.randn(2000, 64, generator=torch.Generator().manual_seed(10))
+    logits[:, 40:] = float("-inf")
+    params = [SamplingParams(temperature=3.0, top_p=0.99, min_p=0.001)] * 1000 + [SamplingParams()] * 1000
+    out = sample(logits, params)
+    assert out.token_ids.max().item() < 40
