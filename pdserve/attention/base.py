@@ -23,16 +23,16 @@ class PrefillSeq:
     query_start: int  # first of its query tokens in the flat batch
     query_len: int
     context_len: int  # tokens it attends to, the new ones included
-    context_slots: torch.Tensor | None  # [context_len] cache slots; None when nothing was cached before
-    mask: torch.Tensor | None  # [query_len, context_len] bool causal mask, with context_slots
+    context_blocks: torch.Tensor | None  # [num_blocks] block ids of its context; None if nothing was cached before
+    mask: torch.Tensor | None  # [query_len, num_blocks * block_size] bool causal mask, with context_blocks
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V goes
     num_decode_tokens: int  # the first tokens of the batch, one per decode request
-    decode_slots: torch.Tensor | None  # [num_decodes, max_context] int64 cache slots (padded with 0)
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] bool: True where a slot is real
+    decode_block_table: torch.Tensor | None  # [num_decodes * max_blocks] int64, row-major, padded with 0
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool: True where real
     prefills: list[PrefillSeq]
 
 
@@ -44,7 +44,7 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,  # [T, num_heads, head_dim]
         k: torch.Tensor,  # [T, num_kv_heads, head_dim]
         v: torch.Tensor,
-        k_cache: torch.Tensor,  # [num_blocks * block_size, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,

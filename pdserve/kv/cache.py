@@ -1,7 +1,7 @@
 """The paged K/V tensors. One allocation for all layers, `[num_layers, 2, num_blocks, block_size,
 num_kv_heads, head_dim]`, so moving a request's blocks (transfer, swap) is one gather per block list.
-Layers see flat `[num_blocks * block_size, num_kv_heads, head_dim]` views addressed by slot
-(`block_id * block_size + offset`)."""
+Layers see `[num_blocks, block_size, num_kv_heads, head_dim]` views; a token's slot is
+`block_id * block_size + offset`."""
 
 from __future__ import annotations
 
@@ -22,8 +22,7 @@ class KVCache:
         self.data = torch.zeros(
             cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device
         )
-        flat = self.data.view(cfg.num_layers, 2, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [(flat[i, 0], flat[i, 1]) for i in range(cfg.num_layers)]
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [(self.data[i, 0], self.data[i, 1]) for i in range(cfg.num_layers)]
 
     @property
     def nbytes(self) -> int:

@@ -90,7 +90,7 @@ class LlamaModel(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer, flat [slots, kv_heads, head_dim]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer [blocks, block_size, kv_heads, head_dim]
         meta: AttentionMetadata,
         attn: AttentionBackend,
     ) -> torch.Tensor:

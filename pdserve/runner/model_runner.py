@@ -111,34 +111,30 @@ class ModelRunner:
         req_of_token = torch.repeat_interleave(torch.arange(num_reqs), lens_t)
         positions = torch.arange(int(cu[-1])) - (cu - lens_t - starts_t)[req_of_token]
         slot_mapping = table[req_of_token, positions // bs] * bs + positions % bs
-        # Slot table per request: slots of positions 0..max_ctx-1.
-        offs = torch.arange(bs)
-
         num_decodes = sum(1 for n in lens if n == 1)
-        decode_slots = decode_mask = None
+        decode_table = decode_mask = None
         if num_decodes:
-            max_ctx = int(ctx_t[:num_decodes].max())
-            nb = -(-max_ctx // bs)
-            decode_slots = (table[:num_decodes, :nb, None] * bs + offs).reshape(num_decodes, nb * bs)[:, :max_ctx]
-            decode_mask = (torch.arange(max_ctx) < ctx_t[:num_decodes, None]).view(num_decodes, 1, 1, max_ctx)
+            nb = -(-int(ctx_t[:num_decodes].max()) // bs)
+            decode_table = table[:num_decodes, :nb].reshape(-1)
+            decode_mask = (torch.arange(nb * bs) < ctx_t[:num_decodes, None]).view(num_decodes, 1, 1, nb * bs)
         prefills: list[PrefillSeq] = []
         q_start = num_decodes
         for i in range(num_decodes, num_reqs):
             n, ctx = lens[i], starts[i] + lens[i]
-            slots = mask = None
+            blocks = mask = None
             if starts[i] > 0:
                 nb = -(-ctx // bs)
-                slots = (table[i, :nb, None] * bs + offs).reshape(-1)[:ctx].to(self.device)
+                blocks = table[i, :nb].to(self.device)
                 rows = torch.arange(n).unsqueeze(1) + starts[i]
-                mask = (torch.arange(ctx).unsqueeze(0) <= rows).to(self.device)
-            prefills.append(PrefillSeq(q_start, n, ctx, slots, mask))
+                mask = (torch.arange(nb * bs).unsqueeze(0) <= rows).to(self.device)
+            prefills.append(PrefillSeq(q_start, n, ctx, blocks, mask))
             q_start += n
 
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=slot_mapping.to(dev),
             num_decode_tokens=num_decodes,
-            decode_slots=None if decode_slots is None else decode_slots.to(dev),
+            decode_block_table=None if decode_table is None else decode_table.to(dev),
             decode_mask=None if decode_mask is None else decode_mask.to(dev),
             prefills=prefills,
         )

@@ -1,0 +1,66 @@
+"""The torch attention backend against naive per-sequence causal attention, for a mixed step (decodes
+with paged context, a fresh prompt, a chunk with cached context) in float32 and bfloat16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.attention.base import AttentionMetadata, PrefillSeq
+from pdserve.attention.torch_ref import TorchAttention
+
+
+def naive(q, k, v, scale):  # q [L, H, D] for the last L positions; k, v [S, KVH, D]
+    L, H, D = q.shape
+    S, KVH, _ = k.shape
+    k = k.repeat_interleave(H // KVH, dim=1)
+    v = v.repeat_interleave(H // KVH, dim=1)
+    scores = torch.einsum("lhd,shd->hls", q.float(), k.float()) * scale
+    pos_q = torch.arange(S - L, S)[:, None]
+    scores = scores.masked_fill(torch.arange(S)[None, :] > pos_q, float("-inf"))
+    return torch.einsum("hls,shd->lhd", scores.softmax(-1), v.float())
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_mixed_step_matches_naive(dtype, tol):
+    g = torch.Generator().manual_seed(0)
+    H, KVH, D, bs, nblocks = 6, 2, 16, 4, 64
+    k_cache = torch.zeros(nblocks, bs, KVH, D, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    perm = torch.randperm(nblocks, generator=g).tolist()
+    # (cached tokens, new tokens) per request: three decodes, then a fresh prompt and a chunk with context.
+    shapes = [(9, 1), (3, 1), (17, 1), (0, 11), (6, 5)]
+    full_k, full_v, tables, q_parts, k_new, v_new, slots = [], [], [], [], [], [], []
+    for cached, new in shapes:
+        n = cached + new
+        kk = torch.randn(n, KVH, D, generator=g).to(dtype)
+        vv = torch.randn(n, KVH, D, generator=g).to(dtype)
+        table = [perm.pop() for _ in range(-(-n // bs))]
+        for i in range(cached):  # what earlier steps wrote
+            k_cache[table[i // bs], i % bs] = kk[i]
+            v_cache[table[i // bs], i % bs] = vv[i]
+        full_k.append(kk), full_v.append(vv), tables.append(table)
+        q_parts.append(torch.randn(new, H, D, generator=g).to(dtype))
+        k_new.append(kk[cached:]), v_new.append(vv[cached:])
+        slots += [table[i // bs] * bs + i % bs for i in range(cached, n)]
+    nd = 3
+    max_nb = max(len(t) for t in tables[:nd])
+    dec_table = torch.tensor([t + [0] * (max_nb - len(t)) for t in tables[:nd]]).reshape(-1)
+    ctx = torch.tensor([c + n for c, n in shapes[:nd]])
+    dec_mask = (torch.arange(max_nb * bs) < ctx[:, None]).view(nd, 1, 1, -1)
+    c, n = shapes[4]
+    chunk_mask = torch.arange(len(tables[4]) * bs)[None, :] <= (torch.arange(n)[:, None] + c)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        num_decode_tokens=nd,
+        decode_block_table=dec_table,
+        decode_mask=dec_mask,
+        prefills=[PrefillSeq(nd, 11, 11, None, None), PrefillSeq(nd + 11, n, c + n, torch.tensor(tables[4]), chunk_mask)],
+    )
+    q, k, v = torch.cat(q_parts), torch.cat(k_new), torch.cat(v_new)
+    out = TorchAttention().forward(q, k, v, k_cache, v_cache, meta, D**-0.5)
+    start = 0
+    for i, qp in enumerate(q_parts):
+        ref = naive(qp, full_k[i], full_v[i], D**-0.5)
+        torch.testing.assert_close(out[start : start + len(qp)].float(), ref, atol=tol, rtol=tol)
+        start += len(qp)
