@@ -44,7 +44,7 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,  # [T, num_heads, head_dim]
         k: torch.Tensor,  # [T, num_kv_heads, head_dim]
         v: torch.Tensor,
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_kv_heads, num_blocks, block_size, head_dim]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,

@@ -18,16 +18,16 @@ class TorchAttention:
     name = "torch"
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:  # type: ignore[no-untyped-def]
-        num_blocks, block_size, kvh, d = k_cache.shape
-        k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
+        kvh, num_blocks, block_size, d = k_cache.shape
+        k_cache.view(kvh, -1, d).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        v_cache.view(kvh, -1, d).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
             assert meta.decode_block_table is not None and meta.decode_mask is not None
             # Gather whole blocks (contiguous rows), not single slots: several times faster on CPU.
-            kd = k_cache.index_select(0, meta.decode_block_table).view(nd, -1, kvh, d)
-            vd = v_cache.index_select(0, meta.decode_block_table).view(nd, -1, kvh, d)
+            kd = k_cache.index_select(1, meta.decode_block_table).view(kvh, nd, -1, d)  # [KVH, B, S, D]
+            vd = v_cache.index_select(1, meta.decode_block_table).view(kvh, nd, -1, d)
             out[:nd] = _decode_attention(q[:nd], kd, vd, meta.decode_mask, scale)
         for p in meta.prefills:
             s, e = p.query_start, p.query_start + p.query_len
@@ -37,26 +37,26 @@ class TorchAttention:
                 vp = v[s:e].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
             else:
-                kp = k_cache.index_select(0, p.context_blocks).view(1, -1, kvh, d).transpose(1, 2)
-                vp = v_cache.index_select(0, p.context_blocks).view(1, -1, kvh, d).transpose(1, 2)
+                kp = k_cache.index_select(1, p.context_blocks).view(1, kvh, -1, d)
+                vp = v_cache.index_select(1, p.context_blocks).view(1, kvh, -1, d)
                 o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=True)
             out[s:e] = o.squeeze(0).transpose(0, 1)
         return out
 
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query token per request. q [B, H, D]; k, v [B, S, KVH, D]; mask [B, 1, 1, S]."""
-    if q.dtype == torch.float32:
-        # torch's CPU flash kernel is good in float32 ...
+    """One query token per request: q [B, H, D]; k, v [KVH, B, S, D]; mask [B, 1, 1, S] (True = attend).
+    Two batched matmuls over (kv head, request); torch's CPU flash kernel is several times slower for a
+    single 16-bit query token."""
+    b, h, d = q.shape
+    kvh = k.shape[0]
+    if q.dtype == torch.float32:  # here the flash kernel wins, and small fp32 bmms are slow
         o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True
+            q.unsqueeze(2), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True
         )
         return o.squeeze(2)
-    # ... but ~5x slower than two batched matmuls for a single 16-bit query (measured on AVX-512 BF16).
-    b, h, d = q.shape
-    kvh = k.shape[2]
-    qg = q.view(b, kvh, h // kvh, d)
-    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float().mul_(scale)  # [B, KVH, G, S]
-    scores.masked_fill_(~mask, float("-inf"))
+    qg = q.view(b, kvh, h // kvh, d).transpose(0, 1)  # [KVH, B, G, D]
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float().mul_(scale)  # [KVH, B, G, S]
+    scores.masked_fill_(~mask.view(1, b, 1, -1), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    return torch.matmul(probs, v.transpose(1, 2)).view(b, h, d)
+    return torch.matmul(probs, v).transpose(0, 1).reshape(b, h, d)

@@ -25,7 +25,7 @@ def naive(q, k, v, scale):  # q [L, H, D] for the last L positions; k, v [S, KVH
 def test_mixed_step_matches_naive(dtype, tol):
     g = torch.Generator().manual_seed(0)
     H, KVH, D, bs, nblocks = 6, 2, 16, 4, 64
-    k_cache = torch.zeros(nblocks, bs, KVH, D, dtype=dtype)
+    k_cache = torch.zeros(KVH, nblocks, bs, D, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     perm = torch.randperm(nblocks, generator=g).tolist()
     # (cached tokens, new tokens) per request: three decodes, then a fresh prompt and a chunk with context.
@@ -37,8 +37,8 @@ def test_mixed_step_matches_naive(dtype, tol):
         vv = torch.randn(n, KVH, D, generator=g).to(dtype)
         table = [perm.pop() for _ in range(-(-n // bs))]
         for i in range(cached):  # what earlier steps wrote
-            k_cache[table[i // bs], i % bs] = kk[i]
-            v_cache[table[i // bs], i % bs] = vv[i]
+            k_cache[:, table[i // bs], i % bs] = kk[i]
+            v_cache[:, table[i // bs], i % bs] = vv[i]
         full_k.append(kk), full_v.append(vv), tables.append(table)
         q_parts.append(torch.randn(new, H, D, generator=g).to(dtype))
         k_new.append(kk[cached:]), v_new.append(vv[cached:])
