@@ -109,6 +109,60 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Run the OpenAI-compatible server: the engine core in its own process, the HTTP front here."""
+    import json
+    import os
+
+    from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from pdserve.server.api import serve
+    from pdserve.server.config import RandomModelSpec, ServerConfig
+
+    if args.log_level.upper() == "WARNING":  # the default: a server should say what it is doing
+        logging.getLogger("pdserve").setLevel(logging.INFO)
+    num_threads = args.num_threads
+    if num_threads is None:  # one core for the HTTP front, the rest for the engine
+        num_threads = max(1, len(os.sched_getaffinity(0)) - 1)
+    random_model = None
+    if args.random_weights:
+        try:
+            spec = json.loads(args.random_weights)
+            seed, std = int(spec.pop("seed", 0)), float(spec.pop("std", 0.02))
+            spec["eos_token_ids"] = tuple(spec.get("eos_token_ids", ()))
+            random_model = RandomModelSpec(ModelConfig(**spec), seed, std)
+        except (ValueError, TypeError, AttributeError) as e:
+            print(f"error: --random-weights: {e}", file=sys.stderr)
+            return 2
+    engine = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        num_threads=num_threads,
+        seed=args.seed,
+        cache=CacheConfig(args.block_size, None, args.kv_cache_memory_gb, not args.no_prefix_caching),
+        scheduler=SchedulerConfig(
+            args.scheduler,
+            args.max_num_batched_tokens,
+            args.max_num_seqs,
+            args.max_model_len,
+            args.chunk_size,
+        ),
+    )
+    config = ServerConfig(
+        engine=engine,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        max_waiting=args.max_waiting,
+        stats_interval_s=args.stats_interval,
+        access_log=args.access_log,
+        log_level="INFO" if args.log_level.upper() == "WARNING" else args.log_level.upper(),
+        random_model=random_model,
+    )
+    serve(config)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve", description="pdserve: prefill/decode-aware LLM serving")
     parser.add_argument("--log-level", default="WARNING")
@@ -126,6 +180,23 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(p)
     add_sampling_args(p)
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (engine core in its own process)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--served-model-name", default=None, help="the `model` clients send (default: the model file's name)"
+    )
+    p.add_argument("--max-waiting", type=int, default=512,
+                   help="most requests that may wait for their first token; more get HTTP 503")
+    p.add_argument(
+        "--stats-interval", type=float, default=10.0, help="seconds between stats log lines (0: off)"
+    )
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    # Tests: serve a random model (JSON of ModelConfig fields plus "seed" and "std") with --model's tokenizer.
+    p.add_argument("--random-weights", default=None, help=argparse.SUPPRESS)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

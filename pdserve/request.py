@@ -133,5 +133,14 @@ class Request:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
 
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output without copying the whole sequence."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids

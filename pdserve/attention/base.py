@@ -28,11 +28,21 @@ class PrefillSeq:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Decode requests of similar context length, attended together padded to the longest of them
+    (grouping bounds the padding: one group over contexts of 20 and 2,000 tokens would waste 99%)."""
+
+    query_start: int
+    num_seqs: int
+    block_table: torch.Tensor  # [num_seqs * max_blocks] int64, row-major, padded with 0
+    mask: torch.Tensor  # [num_seqs, 1, 1, max_blocks * block_size] bool: True where a slot is real
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V goes
     num_decode_tokens: int  # the first tokens of the batch, one per decode request
-    decode_block_table: torch.Tensor | None  # [num_decodes * max_blocks] int64, row-major, padded with 0
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool: True where real
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillSeq]
 
 

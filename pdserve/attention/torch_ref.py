@@ -22,13 +22,12 @@ class TorchAttention:
         k_cache.view(kvh, -1, d).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         v_cache.view(kvh, -1, d).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         out = torch.empty_like(q)
-        nd = meta.num_decode_tokens
-        if nd:
-            assert meta.decode_block_table is not None and meta.decode_mask is not None
+        for g in meta.decode_groups:
+            s, n = g.query_start, g.num_seqs
             # Gather whole blocks (contiguous rows), not single slots: several times faster on CPU.
-            kd = k_cache.index_select(1, meta.decode_block_table).view(kvh, nd, -1, d)  # [KVH, B, S, D]
-            vd = v_cache.index_select(1, meta.decode_block_table).view(kvh, nd, -1, d)
-            out[:nd] = _decode_attention(q[:nd], kd, vd, meta.decode_mask, scale)
+            kd = k_cache.index_select(1, g.block_table).view(kvh, n, -1, d)  # [KVH, B, S, D]
+            vd = v_cache.index_select(1, g.block_table).view(kvh, n, -1, d)
+            out[s : s + n] = _decode_attention(q[s : s + n], kd, vd, g.mask, scale)
         for p in meta.prefills:
             s, e = p.query_start, p.query_start + p.query_len
             qp = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.attention.base import AttentionBackend, AttentionMetadata, PrefillSeq
+from pdserve.attention.base import AttentionBackend, AttentionMetadata, DecodeGroup, PrefillSeq
 from pdserve.kv.cache import KVCache
 from pdserve.model.llama import LlamaModel
 from pdserve.runner.sampler import Sampler, SamplingMetadata
@@ -49,8 +49,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         t0 = time.perf_counter()
-        order = sorted(range(len(out.scheduled)), key=lambda i: out.scheduled[i].num_new_tokens != 1)
-        scheduled = [out.scheduled[i] for i in order]
+        # Decodes first, by context length (so similar lengths share a padded attention group).
+        scheduled = sorted(out.scheduled, key=_layout_key)
         input_ids, positions, meta, last_index = self._prepare(scheduled)
         hidden = self.model(input_ids, positions, self.kv_cache.layers, meta, self.attn)
 
@@ -89,11 +89,7 @@ class ModelRunner:
         tables: list[list[int]] = []
         for s in scheduled:
             req, n, start = s.req, s.num_new_tokens, s.req.num_computed_tokens
-            num_prompt = req.num_prompt_tokens
-            if start + n <= num_prompt:
-                token_ids.extend(req.prompt_token_ids[start : start + n])
-            else:
-                token_ids.extend(req.all_token_ids()[start : start + n])
+            token_ids.extend(req.token_ids_between(start, start + n))
             starts.append(start)
             lens.append(n)
             tables.append(req.block_ids)
@@ -112,11 +108,15 @@ class ModelRunner:
         positions = torch.arange(int(cu[-1])) - (cu - lens_t - starts_t)[req_of_token]
         slot_mapping = table[req_of_token, positions // bs] * bs + positions % bs
         num_decodes = sum(1 for n in lens if n == 1)
-        decode_table = decode_mask = None
-        if num_decodes:
-            nb = -(-int(ctx_t[:num_decodes].max()) // bs)
-            decode_table = table[:num_decodes, :nb].reshape(-1)
-            decode_mask = (torch.arange(nb * bs) < ctx_t[:num_decodes, None]).view(num_decodes, 1, 1, nb * bs)
+        groups = []
+        for g0, g1 in _decode_groups([starts[i] + 1 for i in range(num_decodes)]):
+            nb = -(-(starts[g1 - 1] + 1) // bs)  # contexts ascend: the last is the longest
+            groups.append(DecodeGroup(
+                query_start=g0,
+                num_seqs=g1 - g0,
+                block_table=table[g0:g1, :nb].reshape(-1).to(self.device),
+                mask=(torch.arange(nb * bs) < ctx_t[g0:g1, None]).view(g1 - g0, 1, 1, nb * bs).to(self.device),
+            ))
         prefills: list[PrefillSeq] = []
         q_start = num_decodes
         for i in range(num_decodes, num_reqs):
@@ -134,9 +134,27 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=slot_mapping.to(dev),
             num_decode_tokens=num_decodes,
-            decode_block_table=None if decode_table is None else decode_table.to(dev),
-            decode_mask=None if decode_mask is None else decode_mask.to(dev),
+            decode_groups=groups,
             prefills=prefills,
         )
         last_index = (cu - 1).tolist()
         return torch.tensor(token_ids, device=dev), positions.to(dev), meta, last_index
+
+
+def _layout_key(s: ScheduledRequest) -> tuple[bool, int]:
+    return (s.num_new_tokens != 1, s.req.num_computed_tokens)
+
+
+def _decode_groups(context_lens: list[int], max_waste: float = 0.25) -> list[tuple[int, int]]:
+    """Split ascending context lengths into runs [start, end) whose padding to the run's longest wastes
+    at most `max_waste` of the attended slots (a single run when lengths are similar)."""
+    groups = []
+    start, total = 0, 0
+    for i, c in enumerate(context_lens):
+        if i > start and (i - start + 1) * c > (1 + max_waste) * (total + c):
+            groups.append((start, i))
+            start, total = i, 0
+        total += c
+    if context_lens:
+        groups.append((start, len(context_lens)))
+    return groups

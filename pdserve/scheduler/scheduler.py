@@ -129,9 +129,15 @@ class Scheduler:
                 continue
             n = min(remaining, budget, chunk_cap if req.is_prefill else remaining)
             while not bm.allocate_slots(req, req.num_computed_tokens + n):
-                victim = self.running[-1]
+                victim: Request | None = self.running[-1]
                 if id(victim) in scheduled_ids:  # never take back what this step already gave out
                     victim = req
+                if victim is req and any(id(r) not in scheduled_ids for r in self.running[:i]):
+                    # Older requests this step leaves idle (decodes a prefill step stalls) hold the
+                    # blocks: wait for them. Preempting `req` would readmit it and restart its prompt
+                    # at once, forever.
+                    victim = None
+                    break
                 self._preempt(victim, out)
                 if victim is req:
                     break
@@ -141,12 +147,15 @@ class Scheduler:
                 budget -= n
                 i += 1
                 continue
-            # `req` itself was preempted; the list shifted, keep the same index.
+            if victim is None:
+                i += 1
+            # Otherwise `req` itself was preempted; the list shifted, keep the same index.
         return budget
 
     def _admit_waiting(self, plan: StepPlan, budget: int, chunk_cap: int, out: SchedulerOutput) -> int:
         bm = self.block_manager
         full_budget = budget
+        step_budget = plan.token_budget if plan.token_budget is not None else self.config.max_num_batched_tokens
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             computed = bm.get_computed_blocks(req)
@@ -154,7 +163,7 @@ class Scheduler:
             remaining = req.num_tokens - num_cached
             if plan.whole_prompts:
                 # A prompt larger than a whole step's budget can only ever run in chunks.
-                if remaining > budget and not (budget == full_budget and remaining > full_budget):
+                if remaining > budget and not (budget == full_budget and remaining > step_budget):
                     break
                 n = min(remaining, budget)
             else:
@@ -173,7 +182,7 @@ class Scheduler:
     def _add(self, out: SchedulerOutput, req: Request, n: int) -> None:
         out.scheduled.append(ScheduledRequest(req, n))
         out.num_batched_tokens += n
-        if req.num_tokens - req.num_computed_tokens == 1:
+        if not req.is_prefill and req.num_tokens - req.num_computed_tokens == 1:
             out.num_decode_tokens += n
         else:
             out.num_prefill_tokens += n
@@ -199,13 +208,15 @@ class Scheduler:
         for s in out.scheduled:
             req = s.req
             samples = s.samples
+            if req.is_finished:  # finished while its step was in flight (abort): its blocks are gone
+                if samples:
+                    next(tokens)
+                continue
             req.num_computed_tokens += s.num_new_tokens
             bm.cache_full_blocks(req)
             if not samples:
                 continue
             token = next(tokens)
-            if req.is_finished:  # finished while its step was in flight (abort)
-                continue
             req.output_token_ids.append(token)
             updated.append(req)
             reason, stop_reason = self._check_stop(req, token)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.attention.base import AttentionMetadata, PrefillSeq
+from pdserve.attention.base import AttentionMetadata, DecodeGroup, PrefillSeq
 from pdserve.attention.torch_ref import TorchAttention
 
 
@@ -53,8 +53,7 @@ def test_mixed_step_matches_naive(dtype, tol):
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots),
         num_decode_tokens=nd,
-        decode_block_table=dec_table,
-        decode_mask=dec_mask,
+        decode_groups=[DecodeGroup(0, 2, dec_table[: 2 * max_nb], dec_mask[:2]), DecodeGroup(2, 1, dec_table[2 * max_nb :], dec_mask[2:])],
         prefills=[PrefillSeq(nd, 11, 11, None, None), PrefillSeq(nd + 11, n, c + n, torch.tensor(tables[4]), chunk_mask)],
     )
     q, k, v = torch.cat(q_parts), torch.cat(k_new), torch.cat(v_new)
@@ -64,3 +63,17 @@ def test_mixed_step_matches_naive(dtype, tol):
         ref = naive(qp, full_k[i], full_v[i], D**-0.5)
         torch.testing.assert_close(out[start : start + len(qp)].float(), ref, atol=tol, rtol=tol)
         start += len(qp)
+
+
+def test_decode_groups_bound_padding():
+    from pdserve.runner.model_runner import _decode_groups
+
+    lens = sorted([5, 6, 7, 40, 41, 45, 300, 310, 2000])
+    groups = _decode_groups(lens, max_waste=0.25)
+    assert groups[0][0] == 0 and groups[-1][1] == len(lens)
+    assert all(a[1] == b[0] for a, b in zip(groups, groups[1:]))  # contiguous, covering
+    for s, e in groups:
+        assert (e - s) * lens[e - 1] <= 1.25 * sum(lens[s:e])
+    assert len(groups) <= 5
+    assert _decode_groups([100] * 64) == [(0, 64)]
+    assert _decode_groups([]) == []

@@ -1,0 +1,587 @@
+"""The HTTP front: OpenAI-compatible routes on FastAPI, served by uvicorn.
+
+A generation request is decoded and checked (`protocol.py`), tokenized here, checked against the context
+length and the KV-cache size, and only then sent to the engine core, one engine request per prompt and
+choice. Its deltas come back on one queue and are either streamed as server-sent events or collected into
+one JSON body. A client that goes away (mid-stream or while waiting for a whole response) has its engine
+requests aborted at once, which frees their KV blocks before the engine's next step.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import anyio
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pdserve.server.config import ServerConfig
+from pdserve.server.engine_client import EngineClient, EngineDeadError, OverloadedError
+from pdserve.server.messages import Ready, RequestDelta
+from pdserve.server.metrics import ServerMetrics, StatsLogger
+from pdserve.server.protocol import (
+    MAX_LOGPROBS,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    LogprobFormatter,
+    bad_request,
+    chat_message_dicts,
+    check_unsupported,
+    decode_body,
+    num_choices,
+    sampling_params,
+    usage,
+)
+
+logger = logging.getLogger(__name__)
+
+_json = msgspec.json.Encoder()
+_DONE = b"data: [DONE]\n\n"
+
+
+def _json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(_json.encode(body), status_code=status, media_type="application/json", headers=headers)
+
+
+def _sse(body: Any) -> bytes:
+    return b"data: " + _json.encode(body) + b"\n\n"
+
+
+class _SSEResponse(StreamingResponse):
+    """A streaming response that always watches for the client leaving and then cancels the stream at
+    once, even while the stream waits for the engine (Starlette leaves that to the server for ASGI 2.4)."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async with anyio.create_task_group() as tg:
+
+            async def stream() -> None:
+                try:
+                    await self.stream_response(send)
+                except OSError:
+                    pass  # the client went away between two events
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(stream)
+            await self.listen_for_disconnect(receive)
+            tg.cancel_scope.cancel()
+
+
+def served_model_name(config: ServerConfig, model_path: str) -> str:
+    if config.served_model_name:
+        return config.served_model_name
+    return os.path.basename(model_path.rstrip("/")).removesuffix(".gguf")
+
+
+@dataclass(slots=True)
+class _Job:
+    """One HTTP generation request: its engine requests (prompt-major, then choice) and their queue."""
+
+    http_id: str
+    created: int
+    prompts: list[list[int]]
+    n: int
+    stream: bool
+    include_usage: bool
+    logprobs: int | None
+    req_ids: list[str] = field(default_factory=list)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+
+class Server:
+    """The app's state: config, engine client, tokenizer (after startup), metrics."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        from pdserve.model.loader import resolve_model_path
+
+        self.config = config
+        self.model_path = resolve_model_path(config.engine.model)
+        self.model_name = served_model_name(config, self.model_path)
+        self.model_names = {self.model_name, self.model_path}
+        if config.engine.model:
+            self.model_names.add(config.engine.model)
+        self.metrics = ServerMetrics(self.model_name)
+        self.client = EngineClient(config, self.metrics)
+        self.tokenizer: Any = None
+        self.ready: Ready | None = None
+        self.logprob_formatter: LogprobFormatter | None = None
+        self.started = int(time.time())
+
+    async def start(self) -> None:
+        from pdserve.model.tokenizer import load_tokenizer
+
+        if self.config.random_model is not None:  # the core takes the front's tokenizer
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_path)
+            await self._start_engine(self.tokenizer)
+        else:  # the tokenizer loads here while the core loads the model
+            loading = asyncio.create_task(asyncio.to_thread(load_tokenizer, self.model_path))
+            await self._start_engine(None)
+            self.tokenizer = await loading
+        self.logprob_formatter = LogprobFormatter(self.tokenizer)
+
+    async def _start_engine(self, tokenizer: object | None) -> None:
+        try:
+            self.ready = await self.client.start(tokenizer)
+        except BaseException:
+            await self.client.shutdown()
+            raise
+
+    # ---- checks --------------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
+
+    def check_prompt(self, ids: list[int], max_tokens: int | None, param: str) -> int:
+        """Raise a 400 unless the prompt and its completion fit; return the completion's max_tokens
+        (None: whatever the context leaves)."""
+        assert self.ready is not None
+        r = self.ready
+        if not ids:
+            raise bad_request("the prompt is empty", param=param)
+        if any(not 0 <= t < r.vocab_size for t in ids):
+            raise bad_request(f"prompt token ids must be integers in [0, {r.vocab_size})", param=param)
+        limit = min(r.max_model_len, r.num_kv_tokens)
+        what = "context length" if limit == r.max_model_len else "KV-cache capacity"
+        if len(ids) >= limit:
+            raise bad_request(
+                f"This model's maximum {what} is {limit} tokens. However, the prompt has {len(ids)} tokens, "
+                "and at least one generated token must fit as well. Please shorten the prompt.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        if max_tokens is None:
+            return limit - len(ids)
+        if max_tokens < 1:
+            raise bad_request(f"max_tokens must be an integer >= 1, got {max_tokens}", param="max_tokens")
+        if len(ids) + max_tokens > limit:
+            raise bad_request(
+                f"This model's maximum {what} is {limit} tokens. However, you requested "
+                f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the "
+                "completion). Please reduce the length of the prompt or of the completion.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return max_tokens
+
+    def completion_prompts(self, prompt: str | list[Any]) -> list[list[int]]:
+        tok = self.tokenizer
+        if isinstance(prompt, str):
+            return [tok.encode(prompt)]
+        if not prompt:
+            raise bad_request("prompt must not be an empty list", param="prompt")
+        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+            return [list(prompt)]
+        if all(isinstance(p, str) for p in prompt):
+            return [tok.encode(p) for p in prompt]
+        if all(
+            isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+            for p in prompt
+        ):
+            return [list(p) for p in prompt]
+        raise bad_request(
+            "prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids",
+            param="prompt",
+        )
+
+    # ---- submitting ----------------------------------------------------------------------------
+    def submit(self, job: _Job, params: list[Any]) -> None:
+        """Send every engine request of `job` (params: one per prompt, before the per-choice seed)."""
+        if job.num_choices > self.config.max_waiting:
+            raise bad_request(
+                f"this request asks for {job.num_choices} completions (prompts x n), more than the "
+                f"server ever queues at once ({self.config.max_waiting}, set by --max-waiting)",
+                param="n",
+            )
+        try:
+            self.client.check_capacity(job.num_choices)
+            for p_idx, ids in enumerate(job.prompts):
+                for i in range(job.n):
+                    index = p_idx * job.n + i
+                    p = params[p_idx]
+                    if p.seed is not None and i:  # choices of one prompt must differ
+                        p = replace(p, seed=p.seed + i)
+                    req_id = f"{job.http_id}-{index}"
+                    self.client.add_request(req_id, ids, p, job.queue, index)
+                    job.req_ids.append(req_id)
+        except (OverloadedError, EngineDeadError) as e:
+            self.client.abort(job.req_ids)
+            self.metrics.rejected.inc()
+            if isinstance(e, OverloadedError):
+                raise APIError(503, str(e), "server_error", None, "overloaded") from None
+            raise APIError(
+                503, f"the engine is not available: {e}", "server_error", None, "engine_unavailable"
+            ) from None
+
+    def error_of(self, d: RequestDelta) -> APIError:
+        if d.invalid:
+            return bad_request(d.error or "invalid request")
+        if not self.client.is_alive:
+            return APIError(
+                503, d.error or "the engine is not available", "server_error", None, "engine_unavailable"
+            )
+        return APIError(
+            500, d.error or "the request failed in the engine", "server_error", None, "engine_error"
+        )
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _collect(job: _Job, request: Request, server: Server, on_delta: Any) -> bool:
+    """Feed every delta of `job` to `on_delta` until all choices finish. Returns False if the client left
+    first (its requests are then aborted). Raises APIError if a request failed."""
+    remaining = job.num_choices
+
+    async def drain() -> None:
+        nonlocal remaining
+        while remaining:
+            index, d = await job.queue.get()
+            if d.finish_reason == "error":
+                raise server.error_of(d)
+            on_delta(index, d)
+            if d.finish_reason is not None:
+                remaining -= 1
+
+    drainer = asyncio.ensure_future(drain())
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({drainer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (drainer, watcher):
+            task.cancel()
+        server.client.abort(job.req_ids)  # skips those that finished
+    if drainer.done() and not drainer.cancelled():
+        drainer.result()  # raises the APIError of a failed request
+        return True
+    return False
+
+
+def build_app(config: ServerConfig) -> FastAPI:
+    server = Server(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await server.start()
+        stats_task = None
+        if config.stats_interval_s > 0:
+            stats_task = asyncio.create_task(_log_stats(server.metrics, config.stats_interval_s))
+        logger.info("serving %s on http://%s:%d", server.model_name, config.host, config.port)
+        try:
+            yield
+        finally:
+            if stats_task is not None:
+                stats_task.cancel()
+            await server.client.shutdown()
+
+    app = FastAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, e: APIError) -> Response:
+        headers = {"Retry-After": "1"} if e.status == 503 else None
+        return _json_response(e.body(), e.status, headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, e: StarletteHTTPException) -> Response:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return _json_response(APIError(e.status_code, str(e.detail), kind).body(), e.status_code)
+
+    @app.exception_handler(Exception)
+    async def on_error(request: Request, e: Exception) -> Response:
+        logger.exception("unhandled error in %s", request.url.path)
+        return _json_response(APIError(500, f"internal server error: {e}", "server_error").body(), 500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        client = server.client
+        if not client.is_alive:
+            return _json_response(
+                {"status": "unhealthy", "error": client.dead_reason or "shutting down"}, 503
+            )
+        s = client.stats
+        return _json_response(
+            {
+                "status": "ok",
+                "num_requests_in_flight": client.num_in_flight,
+                "num_requests_running": s.num_running,
+                "num_requests_waiting": s.num_waiting,
+                "kv_cache_usage": s.kv_cache_usage,
+            }
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        assert server.ready is not None
+        card = {
+            "id": server.model_name,
+            "object": "model",
+            "created": server.started,
+            "owned_by": "pdserve",
+            "root": server.model_path,
+            "max_model_len": server.ready.max_model_len,
+        }
+        return _json_response({"object": "list", "data": [card]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req: CompletionRequest = decode_body(await request.body(), CompletionRequest)
+        server.check_model(req.model)
+        check_unsupported(req)
+        n = num_choices(req)
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"logprobs must be an integer in [0, {MAX_LOGPROBS}]", param="logprobs")
+        prompts = server.completion_prompts(req.prompt)
+        wanted = 16 if req.max_tokens is None else req.max_tokens
+        params = [
+            sampling_params(req, server.check_prompt(ids, wanted, "prompt"), req.logprobs) for ids in prompts
+        ]
+        job = _Job(
+            f"cmpl-{uuid.uuid4().hex}",
+            int(time.time()),
+            prompts,
+            n,
+            bool(req.stream),
+            bool(req.stream_options and req.stream_options.include_usage),
+            req.logprobs,
+        )
+        server.submit(job, params)
+        if job.stream:
+            return _SSEResponse(_stream(server, job, chat=False), media_type="text/event-stream")
+        return await _respond(server, job, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req: ChatCompletionRequest = decode_body(await request.body(), ChatCompletionRequest)
+        server.check_model(req.model)
+        check_unsupported(req)
+        n = num_choices(req)
+        if req.top_logprobs is not None:
+            if not req.logprobs:
+                raise bad_request("top_logprobs needs logprobs to be true", param="top_logprobs")
+            if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+                raise bad_request(
+                    f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}]", param="top_logprobs"
+                )
+        num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        messages = chat_message_dicts(req.messages)
+        add_generation_prompt = True if req.add_generation_prompt is None else req.add_generation_prompt
+        try:
+            text = server.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        except (ValueError, TypeError) as e:  # InvalidRequestError: no template, or it refused the messages
+            raise bad_request(str(e), param="messages") from None
+        ids = server.tokenizer.encode(text)
+        wanted = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = [sampling_params(req, server.check_prompt(ids, wanted, "messages"), num_logprobs)]
+        job = _Job(
+            f"chatcmpl-{uuid.uuid4().hex}",
+            int(time.time()),
+            [ids],
+            n,
+            bool(req.stream),
+            bool(req.stream_options and req.stream_options.include_usage),
+            num_logprobs,
+        )
+        server.submit(job, params)
+        if job.stream:
+            return _SSEResponse(_stream(server, job, chat=True), media_type="text/event-stream")
+        return await _respond(server, job, request, chat=True)
+
+    return app
+
+
+async def _log_stats(metrics: ServerMetrics, interval: float) -> None:
+    stats = StatsLogger(metrics)
+    while True:
+        await asyncio.sleep(interval)
+        stats.log()
+
+
+# ---- responses -----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Choice:
+    """What one choice has produced so far (all of it for a whole response, counts for a stream)."""
+
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    token_ids: list[int] = field(default_factory=list)  # only when logprobs are wanted
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    text_offset: int = 0
+    sent_role: bool = False
+
+
+class _Format:
+    """How one endpoint spells its objects; the rest of the response logic is shared."""
+
+    def __init__(self, server: Server, job: _Job, chat: bool) -> None:
+        self.server, self.job, self.chat = server, job, chat
+        self.logprobs = server.logprob_formatter if job.logprobs is not None else None
+
+    def head(self, stream: bool) -> dict[str, Any]:
+        if self.chat:
+            kind = "chat.completion.chunk" if stream else "chat.completion"
+        else:
+            kind = "text_completion"
+        return {
+            "id": self.job.http_id,
+            "object": kind,
+            "created": self.job.created,
+            "model": self.server.model_name,
+        }
+
+    def whole(self, c: _Choice) -> dict[str, Any]:
+        text = "".join(c.text)
+        lp = self.logprobs
+        if self.chat:
+            logprobs = {"content": lp.chat(c.token_ids, c.logprobs, self.job.logprobs or 0)} if lp else None
+            return {"message": {"role": "assistant", "content": text}, "logprobs": logprobs}
+        return {"text": text, "logprobs": lp.completion(c.token_ids, c.logprobs, 0)[0] if lp else None}
+
+    def delta(self, c: _Choice, d: RequestDelta) -> dict[str, Any]:
+        lp = self.logprobs if d.logprobs else None
+        if not self.chat:
+            logprobs = None
+            if lp is not None:
+                logprobs, c.text_offset = lp.completion(d.new_token_ids, d.logprobs or [], c.text_offset)
+            return {"text": d.new_text, "logprobs": logprobs}
+        delta: dict[str, Any] = {}
+        if not c.sent_role:  # the role rides on the first chunk that carries text, not ahead of it
+            delta["role"] = "assistant"
+            c.sent_role = True
+        if d.new_text or "role" in delta:
+            delta["content"] = d.new_text
+        logprobs = None
+        if lp is not None:
+            logprobs = {"content": lp.chat(d.new_token_ids, d.logprobs or [], self.job.logprobs or 0)}
+        return {"delta": delta, "logprobs": logprobs}
+
+
+async def _respond(server: Server, job: _Job, request: Request, chat: bool) -> Response:
+    """Collect every choice of `job` into one JSON body."""
+    fmt = _Format(server, job, chat)
+    choices = [_Choice() for _ in range(job.num_choices)]
+
+    def add(index: int, d: RequestDelta) -> None:
+        c = choices[index]
+        c.text.append(d.new_text)
+        c.num_tokens += len(d.new_token_ids)
+        if fmt.logprobs is not None and d.logprobs:
+            c.token_ids.extend(d.new_token_ids)
+            c.logprobs.extend(d.logprobs)
+        if d.finish_reason is not None:
+            c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+
+    if not await _collect(job, request, server, add):
+        return Response(status_code=499)  # nobody is listening any more
+    body = fmt.head(stream=False)
+    body["choices"] = [
+        {"index": i, **fmt.whole(c), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        for i, c in enumerate(choices)
+    ]
+    body["usage"] = usage(job.num_prompt_tokens, sum(c.num_tokens for c in choices))
+    return _json_response(body)
+
+
+async def _stream(server: Server, job: _Job, chat: bool) -> AsyncIterator[bytes]:
+    """Server-sent events: one chunk per delta that shows something, an optional usage chunk, [DONE].
+    Leaving early (the client went away) aborts the requests still running."""
+    fmt = _Format(server, job, chat)
+    head = fmt.head(stream=True)
+    choices = [_Choice() for _ in range(job.num_choices)]
+    remaining = job.num_choices
+    try:
+        while remaining:
+            index, d = await job.queue.get()
+            if d.finish_reason == "error":
+                yield _sse(server.error_of(d).body())
+                break
+            c = choices[index]
+            c.num_tokens += len(d.new_token_ids)
+            if d.finish_reason is not None:
+                remaining -= 1
+            if not (d.new_text or d.finish_reason or (fmt.logprobs and d.logprobs)):
+                continue  # text held back (partial character, possible stop string): nothing to show yet
+            choice = {"index": index, **fmt.delta(c, d), "finish_reason": d.finish_reason}
+            if d.finish_reason is not None:
+                choice["stop_reason"] = d.stop_reason
+            chunk = {**head, "choices": [choice]}
+            if job.include_usage:
+                chunk["usage"] = None
+            yield _sse(chunk)
+        else:
+            if job.include_usage:
+                total = sum(c.num_tokens for c in choices)
+                yield _sse({**head, "choices": [], "usage": usage(job.num_prompt_tokens, total)})
+        yield _DONE
+    finally:
+        server.client.abort(job.req_ids)
+
+
+# ---- running -------------------------------------------------------------------------------------
+
+
+def serve(config: ServerConfig) -> None:
+    """Run the server until SIGINT/SIGTERM; both processes are gone when this returns."""
+    import uvicorn
+
+    app = build_app(config)
+    # uvicorn handles SIGINT/SIGTERM while it runs, shuts down gracefully, and then raises the signal
+    # again for the handler that was there before it; that one only has to let the process exit with 0.
+    previous = {sig: signal.signal(sig, _after_shutdown) for sig in (signal.SIGINT, signal.SIGTERM)}
+    uv = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level="info",
+        access_log=config.access_log,
+        timeout_graceful_shutdown=max(1, int(config.shutdown_timeout_s)),
+        lifespan="on",
+    )
+    try:
+        uvicorn.Server(uv).run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _after_shutdown(signum: int, frame: object) -> None:
+    """The signal uvicorn re-raises once it has shut down: nothing is left to do."""

@@ -1,0 +1,45 @@
+"""Configuration of the server: the engine's `EngineConfig` plus what only the HTTP front needs.
+
+(It sits here rather than in `pdserve/config.py` only while that file is being edited by others.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.config import EngineConfig, ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class RandomModelSpec:
+    """Serve a randomly initialised model with the tokenizer of `EngineConfig.model` (tests: a tiny model
+    whose vocabulary matches the real tokenizer's, so the whole HTTP path runs in milliseconds per step)."""
+
+    model_config: ModelConfig
+    seed: int = 0
+    std: float = 0.02
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None  # None: the model file's or directory's name
+    # At most this many requests may wait for their first token (in flight to the engine or in its waiting
+    # queue); beyond it the server answers 503 at once instead of queueing without bound.
+    max_waiting: int = 512
+    stats_interval_s: float = 10.0  # period of the one-line stats log; 0 turns it off
+    startup_timeout_s: float = 600.0
+    shutdown_timeout_s: float = 5.0  # how long open streams may run on after SIGINT/SIGTERM
+    access_log: bool = False
+    log_level: str = "info"  # of the engine core process's own log lines
+    random_model: RandomModelSpec | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        if self.max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
+        if self.stats_interval_s < 0:
+            raise ValueError("stats_interval_s must be >= 0")

@@ -1,0 +1,301 @@
+"""The front's handle on the engine core process: starts it, sends it requests and aborts, and routes
+its per-step deltas to the HTTP handlers waiting for them.
+
+Everything here runs on the front's event loop and never blocks it: sends are non-blocking, and one
+task receives the core's messages. A handler passes an `asyncio.Queue` with each request; the client puts
+`(index, RequestDelta)` on it for every delta, the last one with a `finish_reason`. Several requests
+(n > 1, or several prompts) can share a queue, told apart by `index`.
+
+The core process dying is noticed through its sentinel file descriptor the moment it happens: every
+request in flight gets an error delta and new requests are refused with `EngineDeadError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from pdserve.errors import PdserveError
+from pdserve.request import SamplingParams
+from pdserve.server.config import ServerConfig
+from pdserve.server.engine_core import CoreAddresses, run_engine_core
+from pdserve.server.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreMessage,
+    EngineOutputs,
+    EngineStats,
+    Ready,
+    RequestDelta,
+    Shutdown,
+)
+from pdserve.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+DeltaQueue = asyncio.Queue  # of tuple[int, RequestDelta]
+
+
+class EngineDeadError(PdserveError):
+    """The engine core process is not running; no request can be served."""
+
+
+class OverloadedError(PdserveError):
+    """Too many requests are waiting for their first token; the caller should retry later."""
+
+
+@dataclass(slots=True)
+class _Tracked:
+    queue: DeltaQueue
+    index: int
+    arrival_time: float
+    num_prompt_tokens: int
+    first_token_time: float | None = None
+    last_token_time: float = 0.0
+    num_output_tokens: int = 0
+
+
+class EngineClient:
+    def __init__(self, config: ServerConfig, metrics: ServerMetrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.ready: Ready | None = None
+        self.dead_reason: str | None = None
+        self._requests: dict[str, _Tracked] = {}
+        self._num_waiting_first = 0  # tracked requests without a first token yet
+        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._tmpdir: str | None = None
+        self._ctx: zmq.Context | None = None
+        self._actx: zmq.asyncio.Context | None = None
+        self._push: zmq.Socket | None = None
+        self._pull: zmq.asyncio.Socket | None = None
+        self._output_task: asyncio.Task | None = None
+        self._closing = False
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(CoreMessage)
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    async def start(self, tokenizer: object | None = None) -> Ready:
+        """Spawn the core, wait until its engine is built. Raises EngineDeadError if it dies first.
+        `tokenizer` is handed to a core that serves a random model (see `RandomModelSpec`)."""
+        self._tmpdir = tempfile.mkdtemp(prefix="pdserve-")
+        addresses = CoreAddresses(f"ipc://{self._tmpdir}/input", f"ipc://{self._tmpdir}/output")
+        self._ctx = zmq.Context()
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.bind(addresses.input)
+        self._actx = zmq.asyncio.Context()
+        self._pull = self._actx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.bind(addresses.output)
+        mp = multiprocessing.get_context("spawn")
+        self._proc = mp.Process(
+            target=run_engine_core,
+            args=(self.config, addresses, os.getpid(), tokenizer),
+            name="pdserve-engine-core",
+            daemon=True,
+        )
+        self._proc.start()
+        logger.info("engine core process %d starting", self._proc.pid)
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while self.ready is None:
+            if not self._proc.is_alive():
+                raise EngineDeadError(
+                    f"the engine core process exited with code {self._proc.exitcode} while starting "
+                    "(its log above says why)"
+                )
+            if time.monotonic() > deadline:
+                self._proc.kill()
+                raise EngineDeadError(
+                    f"the engine core did not start within {self.config.startup_timeout_s:.0f} s"
+                )
+            if await self._pull.poll(200):
+                msg = self._decoder.decode(await self._pull.recv())
+                if isinstance(msg, Ready):
+                    self.ready = msg
+        asyncio.get_running_loop().add_reader(self._proc.sentinel, self._on_core_exit)
+        self._output_task = asyncio.create_task(self._output_loop(), name="pdserve-engine-outputs")
+        logger.info(
+            "engine core ready: %s, context %d tokens, KV cache %d tokens, %d torch threads",
+            self.ready.model_name,
+            self.ready.max_model_len,
+            self.ready.num_kv_tokens,
+            self.ready.num_threads,
+        )
+        return self.ready
+
+    async def shutdown(self) -> None:
+        """Stop the core (politely, then by force) and fail whatever is still in flight."""
+        self._closing = True
+        proc = self._proc
+        if proc is not None:
+            try:
+                asyncio.get_running_loop().remove_reader(proc.sentinel)
+            except (ValueError, OSError):
+                pass
+            if proc.is_alive():
+                try:
+                    self._send(Shutdown())
+                except zmq.ZMQError:
+                    pass  # SIGTERM below does the same
+                for kill in (None, proc.terminate, proc.kill):
+                    if kill is not None:
+                        kill()
+                    deadline = time.monotonic() + 5.0
+                    while proc.is_alive() and time.monotonic() < deadline:
+                        await asyncio.sleep(0.02)
+                    if not proc.is_alive():
+                        break
+            proc.join(0)
+            logger.info("engine core process exited with code %s", proc.exitcode)
+        self._fail_all("the server is shutting down")
+        if self._output_task is not None:
+            self._output_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._output_task
+        for sock in (self._push, self._pull):
+            if sock is not None:
+                sock.close(linger=0)
+        for ctx in (self._ctx, self._actx):
+            if ctx is not None:
+                ctx.term()
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    @property
+    def is_alive(self) -> bool:
+        return self.dead_reason is None and self.ready is not None and not self._closing
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._requests)
+
+    @property
+    def num_waiting_for_first_token(self) -> int:
+        return self._num_waiting_first
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.metrics.engine
+
+    # ---- requests ------------------------------------------------------------------------------
+    def check_capacity(self, num_requests: int) -> None:
+        """Raise EngineDeadError or OverloadedError if `num_requests` more cannot be accepted now."""
+        if not self.is_alive:
+            raise EngineDeadError(self.dead_reason or "the engine is not running")
+        limit = self.config.max_waiting
+        if self._num_waiting_first + num_requests > limit:
+            raise OverloadedError(
+                f"the server is overloaded: {self._num_waiting_first} requests are already waiting for their "
+                f"first token (limit {limit}, set by --max-waiting); retry later"
+            )
+
+    def add_request(
+        self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, queue: DeltaQueue, index: int
+    ) -> None:
+        """Send a validated request to the core; its deltas will arrive on `queue` tagged with `index`."""
+        self.check_capacity(1)
+        now = time.monotonic()
+        try:
+            self._send(AddRequest(req_id, prompt_token_ids, params, now))
+        except zmq.Again:
+            raise OverloadedError("the engine's input queue is full; retry later") from None
+        self._requests[req_id] = _Tracked(queue, index, now, len(prompt_token_ids))
+        self._num_waiting_first += 1
+
+    def abort(self, req_ids: list[str]) -> None:
+        """Stop requests still in flight (finished or unknown ids are skipped); their blocks are freed in
+        the core before its next step."""
+        live = [r for r in req_ids if r in self._requests]
+        if not live:
+            return
+        for req_id in live:
+            self._forget(req_id)
+        self.metrics.aborted.inc(len(live))
+        if self.is_alive:
+            try:
+                self._send(AbortRequests(live))
+            except zmq.ZMQError:
+                logger.warning("could not send the abort of %d requests to the engine core", len(live))
+
+    def _forget(self, req_id: str) -> _Tracked:
+        t = self._requests.pop(req_id)
+        if t.first_token_time is None:
+            self._num_waiting_first -= 1
+        return t
+
+    def _send(self, msg: AddRequest | AbortRequests | Shutdown) -> None:
+        assert self._push is not None
+        self._push.send(self._encoder.encode(msg), zmq.NOBLOCK, copy=False)
+
+    # ---- outputs -------------------------------------------------------------------------------
+    async def _output_loop(self) -> None:
+        assert self._pull is not None
+        while True:
+            frame = await self._pull.recv(copy=False)
+            try:
+                msg = self._decoder.decode(frame.buffer)
+                if isinstance(msg, EngineOutputs):
+                    self._on_outputs(msg)
+            except Exception:  # a bad message must not stop the routing of every other one
+                logger.exception("could not handle a message from the engine core")
+
+    def _on_outputs(self, msg: EngineOutputs) -> None:
+        m = self.metrics
+        m.observe_engine(msg.stats, msg.step)
+        now = time.monotonic()
+        for d in msg.deltas:
+            t = self._requests.get(d.req_id)
+            if t is None:  # aborted by the front while this step ran
+                continue
+            n = len(d.new_token_ids)
+            if n:
+                if t.first_token_time is None:
+                    t.first_token_time = now
+                    self._num_waiting_first -= 1
+                    queue_time = (
+                        None if d.first_scheduled_time is None else d.first_scheduled_time - t.arrival_time
+                    )
+                    m.observe_first_token(now - t.arrival_time, queue_time, t.num_prompt_tokens)
+                    m.observe_tokens(n, None)
+                else:
+                    m.observe_tokens(n, now - t.last_token_time)
+                t.last_token_time = now
+                t.num_output_tokens += n
+            if d.finish_reason is not None:
+                self._forget(d.req_id)
+                if d.finish_reason == "abort":
+                    m.aborted.inc()
+                else:
+                    first = t.first_token_time if t.first_token_time is not None else now
+                    m.observe_finished(
+                        d.finish_reason, now - t.arrival_time, now - first, t.num_output_tokens
+                    )
+            t.queue.put_nowait((t.index, d))
+
+    def _on_core_exit(self) -> None:
+        assert self._proc is not None
+        asyncio.get_running_loop().remove_reader(self._proc.sentinel)
+        if self._closing:
+            return
+        self._proc.join(0)
+        self.dead_reason = f"the engine core process died (exit code {self._proc.exitcode})"
+        logger.error("%s; failing %d requests in flight", self.dead_reason, len(self._requests))
+        self._fail_all(self.dead_reason)
+
+    def _fail_all(self, message: str) -> None:
+        for req_id in list(self._requests):
+            t = self._forget(req_id)
+            self.metrics.finished["error"].inc()
+            t.queue.put_nowait((t.index, RequestDelta(req_id, [], "", "error", error=message)))

@@ -1,0 +1,76 @@
+"""What the HTTP front and the engine core process say to each other over ZMQ, as msgpack-encoded
+msgspec structs. Front -> core: `AddRequest`, `AbortRequests`, `Shutdown`. Core -> front: `Ready` once,
+then `EngineOutputs` after every step (and after aborts, so freed blocks show up in the stats at once).
+
+Timestamps are `time.monotonic()`, which is one clock for all processes of a host (CLOCK_MONOTONIC).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from pdserve.request import SamplingParams
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    req_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    num_kv_tokens: int  # num_blocks * block_size: no request may need more
+    block_size: int
+    num_threads: int
+
+
+class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one step did to one request: the tokens and text it added, and how it ended if it did."""
+
+    req_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: str | int | None = None
+    logprobs: list[dict[int, float]] | None = None  # one entry per new token, when asked for
+    error: str | None = None
+    invalid: bool = False  # the engine refused the request (a 400 for its client), nothing ran
+    first_scheduled_time: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (final delta)
+
+
+class StepStats(msgspec.Struct, array_like=True):
+    duration: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+
+
+class EngineStats(msgspec.Struct, array_like=True):
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int  # cumulative, like the counters below
+    num_prefix_hit_tokens: int
+    num_prefix_queried_tokens: int
+
+
+class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True):
+    deltas: list[RequestDelta]
+    stats: EngineStats
+    step: StepStats | None = None  # the step that produced these deltas, if one ran
+
+
+FrontMessage = AddRequest | AbortRequests | Shutdown
+CoreMessage = Ready | EngineOutputs

@@ -1,0 +1,237 @@
+"""Prometheus metrics of one server, in a registry of its own (two apps in a process never share one).
+
+Latencies are measured where the client sees them: at the front, from a request's arrival to the
+delivery of its tokens. Queue time and step times come from the engine core's timestamps. Engine-side
+counters (preemptions, prefix-cache tokens) arrive as cumulative values and are added as differences.
+A `StatsLogger` prints one line every few seconds from the same numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pdserve.server.messages import EngineStats, StepStats
+
+logger = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_TOKEN_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+)
+_REQUEST_BUCKETS = (
+    0.01,
+    0.05,
+    0.1,
+    0.3,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+)
+_STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, label = self.registry, ["model_name"]
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, label, buckets=buckets, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, label, registry=r).labels(model_name)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, label, registry=r).labels(model_name)
+
+        self.ttft = hist(
+            "pdserve:time_to_first_token_seconds", "Arrival to first output token.", _LATENCY_BUCKETS
+        )
+        self.tpot = hist(
+            "pdserve:time_per_output_token_seconds",
+            "Per request: (last token - first token) / (output tokens - 1).",
+            _TOKEN_LATENCY_BUCKETS,
+        )
+        self.itl = hist(
+            "pdserve:inter_token_latency_seconds",
+            "Time between consecutive outputs of a request.",
+            _TOKEN_LATENCY_BUCKETS,
+        )
+        self.e2e = hist("pdserve:e2e_request_latency_seconds", "Arrival to last token.", _REQUEST_BUCKETS)
+        self.queue_time = hist(
+            "pdserve:request_queue_time_seconds",
+            "Arrival to first scheduled in the engine.",
+            _REQUEST_BUCKETS,
+        )
+        self.prefill_step = hist(
+            "pdserve:prefill_step_duration_seconds",
+            "Duration of engine steps that ran prompt tokens.",
+            _STEP_BUCKETS,
+        )
+        self.decode_step = hist(
+            "pdserve:decode_step_duration_seconds",
+            "Duration of engine steps that ran only decodes.",
+            _STEP_BUCKETS,
+        )
+        self.num_running = gauge("pdserve:num_requests_running", "Requests in the engine's running set.")
+        self.num_waiting = gauge("pdserve:num_requests_waiting", "Requests in the engine's waiting queue.")
+        self.kv_usage = gauge("pdserve:kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0-1).")
+        self.prompt_tokens = counter("pdserve:prompt_tokens", "Prompt tokens of requests that started.")
+        self.generation_tokens = counter("pdserve:generation_tokens", "Output tokens delivered.")
+        self.preemptions = counter("pdserve:preemptions", "Requests preempted by the scheduler.")
+        self.prefix_hit_tokens = counter(
+            "pdserve:prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache."
+        )
+        self.prefix_queried_tokens = counter(
+            "pdserve:prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache."
+        )
+        self.aborted = counter("pdserve:request_aborted", "Requests aborted (client gone or cancelled).")
+        self.rejected = counter(
+            "pdserve:request_rejected", "Requests refused with 503 (overload, engine down)."
+        )
+        finished = Counter(
+            "pdserve:request_finished",
+            "Requests finished, by reason.",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self.finished = {
+            reason: finished.labels(model_name, reason) for reason in ("stop", "length", "error")
+        }
+        # Plain totals for the stats log (counters cannot be read back cheaply).
+        self.total_prompt_tokens = 0
+        self.total_generation_tokens = 0
+        self.engine = EngineStats(0, 0, 0.0, 0, 0, 0)
+
+    def observe_engine(self, stats: EngineStats, step: StepStats | None) -> None:
+        last = self.engine
+        self.num_running.set(stats.num_running)
+        self.num_waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.preemptions.inc(max(0, stats.num_preemptions - last.num_preemptions))
+        self.prefix_hit_tokens.inc(max(0, stats.num_prefix_hit_tokens - last.num_prefix_hit_tokens))
+        self.prefix_queried_tokens.inc(
+            max(0, stats.num_prefix_queried_tokens - last.num_prefix_queried_tokens)
+        )
+        self.engine = stats
+        if step is not None:
+            (self.prefill_step if step.num_prefill_tokens else self.decode_step).observe(step.duration)
+
+    def observe_first_token(self, ttft: float, queue_time: float | None, num_prompt_tokens: int) -> None:
+        self.ttft.observe(ttft)
+        if queue_time is not None:
+            self.queue_time.observe(max(0.0, queue_time))
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.total_prompt_tokens += num_prompt_tokens
+
+    def observe_tokens(self, num_tokens: int, itl: float | None) -> None:
+        self.generation_tokens.inc(num_tokens)
+        self.total_generation_tokens += num_tokens
+        if itl is not None:
+            self.itl.observe(itl)
+
+    def observe_finished(self, reason: str, e2e: float, decode_time: float, num_output_tokens: int) -> None:
+        counter = self.finished.get(reason)
+        if counter is not None:
+            counter.inc()
+        self.e2e.observe(e2e)
+        if num_output_tokens > 1:
+            self.tpot.observe(decode_time / (num_output_tokens - 1))
+
+
+class StatsLogger:
+    """One log line per interval while anything happens: throughput, queues, KV usage."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self._last_time = time.monotonic()
+        self._last_prompt = 0
+        self._last_generation = 0
+        self._was_idle = True
+
+    def log(self) -> None:
+        m, now = self.metrics, time.monotonic()
+        e = m.engine
+        prompt = m.total_prompt_tokens - self._last_prompt
+        generation = m.total_generation_tokens - self._last_generation
+        idle = not (prompt or generation or e.num_running or e.num_waiting)
+        dt = max(now - self._last_time, 1e-9)
+        self._last_time, self._last_prompt, self._last_generation = (
+            now,
+            m.total_prompt_tokens,
+            m.total_generation_tokens,
+        )
+        if idle and self._was_idle:
+            return
+        self._was_idle = idle
+        hit = (
+            100.0 * e.num_prefix_hit_tokens / e.num_prefix_queried_tokens
+            if e.num_prefix_queried_tokens
+            else 0.0
+        )
+        logger.info(
+            "prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV cache %.1f%%, "
+            "prefix cache hits %.1f%%, preemptions %d",
+            prompt / dt,
+            generation / dt,
+            e.num_running,
+            e.num_waiting,
+            100.0 * e.kv_cache_usage,
+            hit,
+            e.num_preemptions,
+        )

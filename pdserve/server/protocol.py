@@ -1,0 +1,266 @@
+"""The OpenAI request bodies as typed msgspec structs, their translation into `SamplingParams`, and the
+pieces of responses that both endpoints share (errors, usage, logprobs).
+
+Bodies are decoded strictly (a string where a number belongs is a 400, not a coercion); fields a client
+may send that pdserve does not implement are accepted at their neutral values and refused otherwise, so
+no request silently gets behaviour it did not ask for. Unknown fields are ignored, as OpenAI's own
+clients send fields this server has no use for. `ignore_eos`, `top_k`, `min_p`, `stop_token_ids`,
+`include_stop_str_in_output` and `skip_special_tokens` are extensions with vLLM's names.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+
+from pdserve.errors import InvalidRequestError
+from pdserve.request import SamplingParams
+
+MAX_N = 128
+MAX_LOGPROBS = 20
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
+class _GenerationRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+
+
+class CompletionRequest(_GenerationRequest, kw_only=True):
+    prompt: str | list[Any]
+    max_tokens: int | None = None  # OpenAI's default for completions is 16
+    logprobs: int | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_GenerationRequest, kw_only=True):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None  # None: whatever the context leaves
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None
+
+
+_PATH_IN_ERROR = re.compile(r"`\$\.([A-Za-z_]+)")  # "... - at `$.messages[0]`": the top-level field
+_MISSING_FIELD = re.compile(r"field `([A-Za-z_]+)`")  # "Object missing required field `prompt`"
+
+
+def decode_body(body: bytes, type_: type[msgspec.Struct]) -> Any:
+    """Decode a JSON request body into `type_`, mapping every failure to a 400."""
+    if not body.strip():
+        raise bad_request("the request body is empty; send a JSON object")
+    try:
+        return msgspec.json.decode(body, type=type_)
+    except msgspec.ValidationError as e:
+        m = _PATH_IN_ERROR.search(str(e)) or _MISSING_FIELD.search(str(e))
+        raise bad_request(f"invalid request: {e}", param=m.group(1) if m else None) from None
+    except msgspec.DecodeError as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+
+
+def check_unsupported(req: _GenerationRequest) -> None:
+    """Refuse parameters that would change the output in ways this server does not implement."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name) not in (None, 0, 0.0):
+            raise bad_request(f"{name} is not supported (only 0)", param=name)
+    if req.repetition_penalty not in (None, 1, 1.0):
+        raise bad_request("repetition_penalty is not supported (only 1)", param="repetition_penalty")
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", param="logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            raise bad_request("echo is not supported", param="echo")
+        if req.suffix:
+            raise bad_request("suffix is not supported", param="suffix")
+        if req.best_of is not None and req.best_of != (req.n or 1):
+            raise bad_request("best_of is not supported (only equal to n)", param="best_of")
+    if isinstance(req, ChatCompletionRequest):
+        if req.tools:
+            raise bad_request("tools are not supported", param="tools")
+        if req.tool_choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice is not supported", param="tool_choice")
+        if req.response_format is not None and req.response_format.get("type", "text") != "text":
+            raise bad_request("response_format other than text is not supported", param="response_format")
+
+
+def num_choices(req: _GenerationRequest) -> int:
+    n = 1 if req.n is None else req.n
+    if not 1 <= n <= MAX_N:
+        raise bad_request(f"n must be an integer in [1, {MAX_N}], got {n}", param="n")
+    return n
+
+
+def sampling_params(req: _GenerationRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """The engine's parameters for one choice of `req` (the caller offsets `seed` per choice)."""
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    try:
+        return SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            stop=stop,
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=bool(req.ignore_eos),
+            logprobs=logprobs,
+            include_stop_str_in_output=bool(req.include_stop_str_in_output),
+            skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens,
+        )
+    except InvalidRequestError as e:
+        name = str(e).split(" ", 1)[0]
+        raise bad_request(str(e), param=name if name in type(req).__struct_fields__ else None) from None
+
+
+def chat_message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the chat template expects them: text content only."""
+    if not messages:
+        raise bad_request("messages must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if m.role not in ("system", "developer", "user", "assistant", "tool"):
+            raise bad_request(
+                f"messages[{i}].role {m.role!r} is not one of system, user, assistant, tool", param="messages"
+            )
+        content = m.content
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise bad_request(
+                        f"messages[{i}]: only text content parts are supported", param="messages"
+                    )
+                parts.append(part.text)
+            content = "".join(parts)
+        d = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+    }
+
+
+class LogprobFormatter:
+    """Turns the engine's per-token {token_id: logprob} dicts (sampled token first) into OpenAI's two
+    formats. Token strings are decoded one id at a time, special tokens included."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    def token(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def completion(
+        self, token_ids: list[int], logprobs: list[dict[int, float]], text_offset: int
+    ) -> tuple[dict[str, list[Any]], int]:
+        """The completions `logprobs` object for these tokens, and the text offset after them."""
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for token_id, entry in zip(token_ids, logprobs):
+            text = self.token(token_id)
+            tokens.append(text)
+            token_logprobs.append(entry.get(token_id))
+            top.append({self.token(t): lp for t, lp in entry.items()})
+            offsets.append(text_offset)
+            text_offset += len(text)
+        body = {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
+        return body, text_offset
+
+    def chat(
+        self, token_ids: list[int], logprobs: list[dict[int, float]], num_top: int
+    ) -> list[dict[str, Any]]:
+        """The chat `logprobs.content` entries for these tokens."""
+        content = []
+        for token_id, entry in zip(token_ids, logprobs):
+            best = sorted(entry.items(), key=lambda kv: -kv[1])[:num_top]
+            content.append(
+                {
+                    **self._chat_entry(token_id, entry.get(token_id, float("-inf"))),
+                    "top_logprobs": [self._chat_entry(t, lp) for t, lp in best],
+                }
+            )
+        return content
+
+    def _chat_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.token(token_id)
+        return {"token": text, "logprob": max(logprob, -9999.0), "bytes": list(text.encode("utf-8"))}
