@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup test generate bench clean
+.PHONY: setup test generate bench serve clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -20,6 +20,9 @@ test: setup
 
 generate: setup
 	$(BIN)/pdserve generate "Write a haiku about the sea."
+
+serve: setup
+	$(BIN)/pdserve serve
 
 bench: setup
 	$(BIN)/python benchmarks/offline_throughput.py

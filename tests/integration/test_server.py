@@ -1,0 +1,706 @@
+"""The OpenAI-compatible server over real HTTP on 127.0.0.1: a tiny random model served with the real
+SmolLM2 tokenizer (so text, chat templates and stop strings are real while steps take milliseconds),
+checked against the offline API on the same weights, with the `openai` client and raw httpx."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve import LLM, SamplingParams
+from pdserve.config import ModelConfig
+from pdserve.model.llama import random_weights
+from pdserve.model.loader import default_model_path
+from pdserve.model.tokenizer import load_tokenizer
+from pdserve.server.launcher import ServerProcess
+
+# A tiny Llama with SmolLM2's vocabulary, so the real tokenizer fits it.
+TINY_VOCAB = ModelConfig(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=160,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    eos_token_ids=(2,),
+)
+SEED, STD = 1234, 0.08
+MODEL = "tiny"
+MAX_MODEL_LEN = 512
+
+
+def random_weights_arg(cfg: ModelConfig = TINY_VOCAB, seed: int = SEED, std: float = STD) -> str:
+    spec = {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}
+    spec["eos_token_ids"] = list(cfg.eos_token_ids)
+    return json.dumps({**spec, "seed": seed, "std": std})
+
+
+def tiny_server_args(*extra: str) -> list[str]:
+    return [
+        "--random-weights",
+        random_weights_arg(),
+        "--served-model-name",
+        MODEL,
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--num-threads",
+        "1",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--kv-cache-memory-gb",
+        "0.02",
+        *extra,
+    ]
+
+
+def quiet_env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Every sample of /metrics, summed over labels: {sample name: value}."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess(tiny_server_args("--stats-interval", "1"), env=quiet_env()).start()
+    try:
+        yield srv  # the offline fixture loads while the server starts; tests wait in `url`
+    finally:
+        srv.close()
+
+
+@pytest.fixture(scope="module")
+def offline():
+    threads = torch.get_num_threads()
+    tok = load_tokenizer(default_model_path())
+    yield LLM(
+        dtype="float32",
+        device="cpu",
+        model_config=TINY_VOCAB,
+        weights=random_weights(TINY_VOCAB, SEED, STD),
+        tokenizer=tok,
+        max_model_len=MAX_MODEL_LEN,
+        kv_cache_memory_gb=0.02,
+        num_threads=1,
+    )
+    torch.set_num_threads(threads)  # LLM(num_threads=1) set it for the whole test process
+
+
+@pytest.fixture(scope="module")
+def url(server, offline) -> str:
+    server.wait_ready(timeout=120)
+    return server.url
+
+
+@pytest.fixture(scope="module")
+def client(url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
+
+
+def offline_text(offline: LLM, prompt, **params) -> str:  # type: ignore[no-untyped-def]
+    return offline.generate(prompt, SamplingParams(**params), use_tqdm=False)[0].outputs[0].text
+
+
+# ---- basics ----------------------------------------------------------------------------------------
+
+
+def test_models_and_health(url):
+    models = httpx.get(url + "/v1/models").json()
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    health = httpx.get(url + "/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+
+
+def test_completion_greedy_equals_offline(client, offline):
+    for prompt in PROMPTS:
+        resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
+        assert resp.object == "text_completion" and resp.id.startswith("cmpl-") and resp.model == MODEL
+        (choice,) = resp.choices
+        assert choice.index == 0
+        expected = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
+        assert choice.text == expected.outputs[0].text
+        assert choice.finish_reason == expected.outputs[0].finish_reason
+        assert resp.usage.prompt_tokens == len(expected.prompt_token_ids)
+        assert resp.usage.completion_tokens == len(expected.outputs[0].token_ids)
+        assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+
+def test_completion_token_id_prompts_and_several_prompts(client, offline):
+    ids = offline.tokenizer.encode(PROMPTS[0])
+    resp = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    assert resp.choices[0].text == offline_text(offline, PROMPTS[0], temperature=0, max_tokens=8)
+    resp = client.completions.create(model=MODEL, prompt=PROMPTS[:3], max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in resp.choices] == list(range(6))
+    for i, prompt in enumerate(PROMPTS[:3]):
+        want = offline_text(offline, prompt, temperature=0, max_tokens=6)
+        assert resp.choices[2 * i].text == want and resp.choices[2 * i + 1].text == want
+    assert resp.usage.prompt_tokens == sum(len(offline.tokenizer.encode(p)) for p in PROMPTS[:3])
+    assert resp.usage.completion_tokens == 36
+
+
+def test_sampling_params_reach_the_engine(client, offline):
+    """Seeded random sampling depends only on the request's own generator, so HTTP equals offline."""
+    kw = {"temperature": 0.8, "top_p": 0.9, "seed": 11, "max_tokens": 12}
+    resp = client.completions.create(
+        model=MODEL, prompt=PROMPTS[2], extra_body={"top_k": 50, "min_p": 0.05, "ignore_eos": True}, **kw
+    )
+    want = offline_text(offline, PROMPTS[2], top_k=50, min_p=0.05, ignore_eos=True, **kw)
+    assert resp.choices[0].text == want
+    again = client.completions.create(
+        model=MODEL, prompt=PROMPTS[2], extra_body={"top_k": 50, "min_p": 0.05, "ignore_eos": True}, **kw
+    )
+    assert again.choices[0].text == want
+
+
+def test_completion_stream_equals_non_stream(client):
+    whole = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=24, temperature=0)
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPTS[1],
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text_chunks = [c for c in chunks if c.choices]
+    assert len(text_chunks) > 1
+    assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in text_chunks][-1] == whole.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    assert all(c.id == chunks[0].id and c.object == "text_completion" for c in chunks)
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (
+        whole.usage.prompt_tokens,
+        whole.usage.completion_tokens,
+    )
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_sse_framing(url):
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 5, "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    assert raw.endswith("\n\n")
+    events = raw[:-2].split("\n\n")
+    assert events[-1] == "data: [DONE]"
+    for event in events[:-1]:
+        assert event.startswith("data: ")
+        chunk = json.loads(event[len("data: ") :])
+        assert {"id", "object", "created", "model", "choices"} <= chunk.keys()
+    # Without include_usage, no usage chunk.
+    assert all(json.loads(e[6:])["choices"] for e in events[:-1])
+
+
+# ---- chat ------------------------------------------------------------------------------------------
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a KV cache?"}]
+
+
+def test_chat_applies_template(client, offline):
+    rendered = offline.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0)
+    assert chat.object == "chat.completion" and chat.id.startswith("chatcmpl-")
+    (choice,) = chat.choices
+    assert choice.message.role == "assistant"
+    completion = client.completions.create(model=MODEL, prompt=rendered, max_tokens=16, temperature=0)
+    assert choice.message.content == completion.choices[0].text
+    assert (
+        chat.usage.prompt_tokens == completion.usage.prompt_tokens == len(offline.tokenizer.encode(rendered))
+    )
+    offline_chat = offline.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
+    assert choice.message.content == offline_chat.outputs[0].text
+
+
+def test_chat_stream(client):
+    whole = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_completion_tokens=12, temperature=0
+    )
+    assert whole.usage.completion_tokens <= 12
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_completion_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    deltas = [c for c in chunks if c.choices]
+    assert deltas[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in deltas) == whole.choices[0].message.content
+    assert deltas[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_chat_content_parts_and_default_max_tokens(client):
+    parts = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "What is a "}, {"type": "text", "text": "KV cache?"}],
+        }
+    ]
+    plain = [{"role": "user", "content": "What is a KV cache?"}]
+    a = client.chat.completions.create(model=MODEL, messages=parts, max_tokens=6, temperature=0)
+    b = client.chat.completions.create(model=MODEL, messages=plain, max_tokens=6, temperature=0)
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+# ---- n, stop, logprobs -----------------------------------------------------------------------------
+
+
+def test_n2(client):
+    kw = {
+        "model": MODEL,
+        "prompt": PROMPTS[3],
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "seed": 7,
+        "n": 2,
+        "extra_body": {"ignore_eos": True},
+    }
+    resp = client.completions.create(**kw)
+    assert [c.index for c in resp.choices] == [0, 1]
+    assert resp.choices[0].text != resp.choices[1].text  # each choice draws its own tokens
+    assert resp.usage.completion_tokens == 16
+    assert [c.text for c in client.completions.create(**kw).choices] == [c.text for c in resp.choices]
+    streamed = {0: "", 1: ""}
+    finished = set()
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+            if c.finish_reason:
+                finished.add(c.index)
+    assert finished == {0, 1}
+    assert [streamed[0], streamed[1]] == [c.text for c in resp.choices]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=6, temperature=1.0, seed=3, n=2
+    )
+    assert [c.index for c in chat.choices] == [0, 1]
+
+
+def test_stop_strings(client, offline):
+    full = offline_text(offline, PROMPTS[0], temperature=0, max_tokens=30, ignore_eos=True)
+    stop = full[12:15]
+    assert stop.strip(), full
+    expected = full[: full.index(stop)]
+    kw = {
+        "model": MODEL,
+        "prompt": PROMPTS[0],
+        "max_tokens": 30,
+        "temperature": 0,
+        "stop": [stop, "\x00never"],
+    }
+    resp = client.completions.create(**kw)
+    assert resp.choices[0].text == expected
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.choices[0].model_extra.get("stop_reason") == stop
+    streamed = list(client.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].text for c in streamed) == expected  # no prefix of the stop string leaks
+    assert streamed[-1].choices[0].finish_reason == "stop"
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0)
+    text = chat.choices[0].message.content
+    cut = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0, stop=text[5:8]
+    )
+    assert cut.choices[0].message.content == text[: text.index(text[5:8])]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_logprobs(client, offline):
+    resp = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0, logprobs=3)
+    lp = resp.choices[0].logprobs
+    want = offline.generate(
+        PROMPTS[1], SamplingParams(temperature=0, max_tokens=6, logprobs=3), use_tqdm=False
+    )[0]
+    comp = want.outputs[0]
+    assert (
+        len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == resp.usage.completion_tokens == 6
+    )
+    for i, token_id in enumerate(comp.token_ids):
+        assert lp.token_logprobs[i] == pytest.approx(comp.logprobs[i][token_id], abs=1e-4)
+        assert 3 <= len(lp.top_logprobs[i]) <= 4
+        assert max(lp.top_logprobs[i].values()) == pytest.approx(lp.token_logprobs[i], abs=1e-6)  # greedy
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+    chat = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert entry.token == entry.top_logprobs[0].token
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+    streamed = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=5,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
+            stream=True,
+        )
+    )
+    tokens = [
+        e.token
+        for c in streamed
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert tokens == [e.token for e in content]
+
+
+# ---- load ------------------------------------------------------------------------------------------
+
+
+def test_32_concurrent_clients(url, offline):
+    prompts = [f"Request number {i} says" for i in range(32)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    expected = [o.outputs[0].text for o in offline.generate(prompts, params, use_tqdm=False)]
+
+    async def one(aclient: openai.AsyncOpenAI, i: int) -> str:
+        kw = {
+            "model": MODEL,
+            "prompt": prompts[i],
+            "max_tokens": 16,
+            "temperature": 0,
+            "extra_body": {"ignore_eos": True},
+        }
+        if i % 2:
+            resp = await aclient.completions.create(**kw)
+            assert resp.usage.completion_tokens == 16
+            return resp.choices[0].text
+        text = ""
+        async for chunk in await aclient.completions.create(stream=True, **kw):
+            text += chunk.choices[0].text
+        return text
+
+    async def run() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60) as ac:
+            return await asyncio.gather(*(one(ac, i) for i in range(32)))
+
+    before = scrape(url)
+    got = asyncio.run(run())
+    assert got == expected
+    after = scrape(url)
+    assert after["pdserve:request_finished_total"] - before["pdserve:request_finished_total"] == 32
+    assert after["pdserve:generation_tokens_total"] - before["pdserve:generation_tokens_total"] == 32 * 16
+
+
+# ---- aborts ----------------------------------------------------------------------------------------
+
+
+def _health(url: str) -> dict:
+    return httpx.get(url + "/health", timeout=10).json()
+
+
+def test_dropped_streams_free_their_blocks(url):
+    before = scrape(url)
+    body = {
+        "model": MODEL,
+        "prompt": "Tell me a long story",
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+    async def run() -> dict:
+        async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=60)) as c:
+
+            async def open_one():  # type: ignore[no-untyped-def]
+                cm = c.stream("POST", url + "/v1/completions", json=body)
+                r = await cm.__aenter__()
+                assert r.status_code == 200
+                lines = r.aiter_lines()  # kept alive: a collected iterator would close the response
+                while not (await anext(lines)).startswith("data: "):
+                    pass
+                return cm, lines
+
+            streams = await asyncio.gather(*(open_one() for _ in range(50)))
+            during = (await c.get(url + "/health")).json()
+            for cm, _ in streams:  # drop every connection mid-stream
+                await cm.__aexit__(None, None, None)
+            return during
+
+    during = asyncio.run(run())
+    assert during["num_requests_in_flight"] == 50
+    assert during["kv_cache_usage"] > 0
+    after = wait_for(
+        lambda: (h := _health(url))["num_requests_in_flight"] == 0 and h["kv_cache_usage"] == 0.0 and h
+    )
+    assert after, _health(url)
+    assert after["num_requests_running"] == 0 and after["num_requests_waiting"] == 0
+    metrics = scrape(url)
+    assert metrics["pdserve:request_aborted_total"] - before["pdserve:request_aborted_total"] == 50
+    assert metrics["pdserve:kv_cache_usage_ratio"] == 0.0
+
+
+def test_client_gone_while_waiting_for_whole_response(url):
+    before = scrape(url)
+    body = {
+        "model": MODEL,
+        "prompt": "Count to a thousand:",
+        "max_tokens": 480,
+        "n": 16,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.25))
+    after = wait_for(
+        lambda: (h := _health(url))["num_requests_in_flight"] == 0 and h["kv_cache_usage"] == 0.0
+    )
+    assert after, _health(url)
+    aborted = scrape(url)["pdserve:request_aborted_total"] - before["pdserve:request_aborted_total"]
+    assert aborted == 16
+
+
+# ---- bad input -------------------------------------------------------------------------------------
+
+LONG_PROMPT = " ".join(["word"] * 600)
+BAD = [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -5}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2.5}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 512}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 1}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": 3}, 400, "stop"),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+    ),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 99999999]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [{"a": 1}]}, 400, "prompt"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
+    ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "hi"}]}, 400, "messages"),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]},
+        400,
+        "messages",
+    ),
+    ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens"),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": MESSAGES, "max_completion_tokens": 1000},
+        400,
+        "max_tokens",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": LONG_PROMPT}]},
+        400,
+        "messages",
+    ),
+    ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs"),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": MESSAGES, "logprobs": True, "top_logprobs": 30},
+        400,
+        "top_logprobs",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": MESSAGES, "tools": [{"type": "function"}]},
+        400,
+        "tools",
+    ),
+    ("/v1/chat/completions", {"model": "nope", "messages": MESSAGES}, 404, "model"),
+    ("/v1/nothing", {"model": MODEL}, 404, None),
+]
+
+
+def test_bad_input_is_refused_before_the_engine(url):
+    before = scrape(url)
+    for path, body, status, param in BAD:
+        if isinstance(body, bytes):
+            r = httpx.post(url + path, content=body, headers={"content-type": "application/json"}, timeout=10)
+        else:
+            r = httpx.post(url + path, json=body, timeout=10)
+        assert r.status_code == status, (path, body, r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}, err
+        assert isinstance(err["message"], str) and err["message"], err
+        if param is not None:
+            assert err["param"] == param, (body, err)
+    after = scrape(url)
+    for name in (
+        "pdserve:request_finished_total",
+        "pdserve:prompt_tokens_total",
+        "pdserve:request_aborted_total",
+    ):
+        assert after[name] == before[name], name
+    assert _health(url)["num_requests_in_flight"] == 0
+
+
+def test_openai_client_error_types(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="missing", prompt="hi")
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=100_000)
+    assert e.value.body["code"] == "context_length_exceeded"
+    assert "maximum context length is 512" in e.value.body["message"]
+
+
+# ---- metrics and stats -----------------------------------------------------------------------------
+
+
+def test_metrics_present_and_moving(url, client):
+    text = httpx.get(url + "/metrics").text
+    for name in (
+        "pdserve:time_to_first_token_seconds",
+        "pdserve:time_per_output_token_seconds",
+        "pdserve:inter_token_latency_seconds",
+        "pdserve:e2e_request_latency_seconds",
+        "pdserve:request_queue_time_seconds",
+        "pdserve:prefill_step_duration_seconds",
+        "pdserve:decode_step_duration_seconds",
+        "pdserve:num_requests_running",
+        "pdserve:num_requests_waiting",
+        "pdserve:kv_cache_usage_ratio",
+        "pdserve:prompt_tokens_total",
+        "pdserve:generation_tokens_total",
+        "pdserve:preemptions_total",
+        "pdserve:prefix_cache_hit_tokens_total",
+        "pdserve:request_aborted_total",
+    ):
+        assert f"\n{name}" in text, name
+    before = scrape(url)
+    resp = client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+    )
+    after = scrape(url)
+
+    def moved(name: str) -> float:
+        return after[name] - before[name]
+
+    assert moved("pdserve:prompt_tokens_total") == resp.usage.prompt_tokens
+    assert moved("pdserve:generation_tokens_total") == 10
+    assert moved("pdserve:time_to_first_token_seconds_count") == 1
+    assert moved("pdserve:e2e_request_latency_seconds_count") == 1
+    assert moved("pdserve:time_per_output_token_seconds_count") == 1
+    assert moved("pdserve:inter_token_latency_seconds_count") == 9
+    assert moved("pdserve:request_queue_time_seconds_count") == 1
+    assert moved("pdserve:prefill_step_duration_seconds_count") >= 1
+    assert moved("pdserve:decode_step_duration_seconds_count") >= 8
+    assert moved("pdserve:prefix_cache_queried_tokens_total") >= resp.usage.prompt_tokens
+    # The same prompt again hits the prefix cache (its full blocks).
+    long_prompt = " ".join(f"w{i}" for i in range(40))
+    client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=2, temperature=0)
+    mid = scrape(url)
+    client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=2, temperature=0)
+    assert scrape(url)["pdserve:prefix_cache_hit_tokens_total"] > mid["pdserve:prefix_cache_hit_tokens_total"]
+
+
+def test_periodic_stats_log(server, url, client):
+    client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    line = wait_for(
+        lambda: next((l for l in server.log_text().splitlines() if "generation" in l and "tok/s" in l), None),
+        timeout=5,
+    )
+    assert line and "running" in line and "KV cache" in line, server.log_text()[-2000:]
+
+
+# ---- shutdown (last: it ends the module's server) --------------------------------------------------
+
+
+def _pid_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] == "Z"  # exited, not yet reaped
+    except OSError:
+        return True
+
+
+def test_sigint_stops_both_processes(server, url):
+    (engine_pid,) = server.engine_pids()
+    body = {
+        "model": MODEL,
+        "prompt": "Go on and on",
+        "max_tokens": 300,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        server.proc.send_signal(signal.SIGINT)
+        rest = [line for line in lines if line]  # the open stream ends (finished or cut); it does not hang
+    assert rest and rest[-1] == "data: [DONE]"
+    assert server.proc.wait(timeout=20) == 0
+    assert wait_for(lambda: _pid_gone(engine_pid), timeout=5)
+    log = server.log_text()
+    assert "Traceback" not in log and "engine core process exited with code 0" in log, log[-3000:]
