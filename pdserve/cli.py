@@ -23,6 +23,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "torch-compiled"])
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -53,6 +54,7 @@ def make_llm(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         enable_prefix_caching=not args.no_prefix_caching,
         num_threads=args.num_threads,
+        attention_backend=args.attention_backend,
         seed=args.seed,
     )
 
@@ -138,6 +140,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         num_threads=num_threads,
+        attention_backend=args.attention_backend,
         seed=args.seed,
         cache=CacheConfig(args.block_size, None, args.kv_cache_memory_gb, not args.no_prefix_caching),
         scheduler=SchedulerConfig(

@@ -34,7 +34,8 @@ class DecodeGroup:
 
     query_start: int
     num_seqs: int
-    block_table: torch.Tensor  # [num_seqs * max_blocks] int64, row-major, padded with 0
+    block_table: torch.Tensor  # [num_seqs, max_blocks] int64, padded with 0
+    context_lens: torch.Tensor  # [num_seqs] int64
     mask: torch.Tensor  # [num_seqs, 1, 1, max_blocks * block_size] bool: True where a slot is real
 
 
@@ -62,8 +63,15 @@ class AttentionBackend(Protocol):
         """Write k/v to the cache at meta.slot_mapping, then attend."""
         ...
 
+    def warmup(self, k_cache: torch.Tensor, num_heads: int) -> None:
+        """Compile or otherwise prepare kernels before the first request (may do nothing)."""
+        ...
 
-_BACKENDS = {"torch": "pdserve.attention.torch_ref:TorchAttention"}
+
+_BACKENDS = {
+    "torch": "pdserve.attention.torch_ref:TorchAttention",
+    "torch-compiled": "pdserve.attention.torch_compiled:CompiledTorchAttention",
+}
 
 
 def get_attention_backend(name: str = "torch") -> AttentionBackend:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pdserve.attention.base import AttentionMetadata
+from pdserve.attention.base import AttentionMetadata, DecodeGroup
 
 
 class TorchAttention:
@@ -25,9 +25,7 @@ class TorchAttention:
         for g in meta.decode_groups:
             s, n = g.query_start, g.num_seqs
             # Gather whole blocks (contiguous rows), not single slots: several times faster on CPU.
-            kd = k_cache.index_select(1, g.block_table).view(kvh, n, -1, d)  # [KVH, B, S, D]
-            vd = v_cache.index_select(1, g.block_table).view(kvh, n, -1, d)
-            out[s : s + n] = _decode_attention(q[s : s + n], kd, vd, g.mask, scale)
+            out[s : s + n] = self.decode(q[s : s + n], k_cache, v_cache, g, scale)
         for p in meta.prefills:
             s, e = p.query_start, p.query_start + p.query_len
             qp = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
@@ -41,6 +39,16 @@ class TorchAttention:
                 o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=True)
             out[s:e] = o.squeeze(0).transpose(0, 1)
         return out
+
+    def warmup(self, k_cache: torch.Tensor, num_heads: int) -> None:
+        pass
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup, scale: float) -> torch.Tensor:
+        kvh, _, _, d = k_cache.shape
+        table = g.block_table.reshape(-1)
+        kd = k_cache.index_select(1, table).view(kvh, g.num_seqs, -1, d)  # [KVH, B, S, D]
+        vd = v_cache.index_select(1, table).view(kvh, g.num_seqs, -1, d)
+        return _decode_attention(q, kd, vd, g.mask, scale)
 
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

@@ -114,7 +114,8 @@ class ModelRunner:
             groups.append(DecodeGroup(
                 query_start=g0,
                 num_seqs=g1 - g0,
-                block_table=table[g0:g1, :nb].reshape(-1).to(self.device),
+                block_table=table[g0:g1, :nb].contiguous().to(self.device),
+                context_lens=ctx_t[g0:g1].to(self.device),
                 mask=(torch.arange(nb * bs) < ctx_t[g0:g1, None]).view(g1 - g0, 1, 1, nb * bs).to(self.device),
             ))
         prefills: list[PrefillSeq] = []

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pdserve.attention.base import AttentionMetadata, DecodeGroup, PrefillSeq
-from pdserve.attention.torch_ref import TorchAttention
+from pdserve.attention import get_attention_backend
 
 
 def naive(q, k, v, scale):  # q [L, H, D] for the last L positions; k, v [S, KVH, D]
@@ -21,8 +21,9 @@ def naive(q, k, v, scale):  # q [L, H, D] for the last L positions; k, v [S, KVH
     return torch.einsum("hls,shd->lhd", scores.softmax(-1), v.float())
 
 
+@pytest.mark.parametrize("backend", ["torch", "torch-compiled"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_mixed_step_matches_naive(dtype, tol):
+def test_mixed_step_matches_naive(dtype, tol, backend):
     g = torch.Generator().manual_seed(0)
     H, KVH, D, bs, nblocks = 6, 2, 16, 4, 64
     k_cache = torch.zeros(KVH, nblocks, bs, D, dtype=dtype)
@@ -53,11 +54,14 @@ def test_mixed_step_matches_naive(dtype, tol):
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots),
         num_decode_tokens=nd,
-        decode_groups=[DecodeGroup(0, 2, dec_table[: 2 * max_nb], dec_mask[:2]), DecodeGroup(2, 1, dec_table[2 * max_nb :], dec_mask[2:])],
+        decode_groups=[
+            DecodeGroup(0, 2, dec_table.view(nd, -1)[:2], ctx[:2], dec_mask[:2]),
+            DecodeGroup(2, 1, dec_table.view(nd, -1)[2:], ctx[2:], dec_mask[2:]),
+        ],
         prefills=[PrefillSeq(nd, 11, 11, None, None), PrefillSeq(nd + 11, n, c + n, torch.tensor(tables[4]), chunk_mask)],
     )
     q, k, v = torch.cat(q_parts), torch.cat(k_new), torch.cat(v_new)
-    out = TorchAttention().forward(q, k, v, k_cache, v_cache, meta, D**-0.5)
+    out = get_attention_backend(backend).forward(q, k, v, k_cache, v_cache, meta, D**-0.5)
     start = 0
     for i, qp in enumerate(q_parts):
         ref = naive(qp, full_k[i], full_v[i], D**-0.5)

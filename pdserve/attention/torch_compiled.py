@@ -1,0 +1,55 @@
+"""The torch reference backend with decode attention compiled by inductor (C++ on CPU, Triton on CUDA).
+
+Written as plain gathers, products and reductions, inductor fuses the block-table gather into the
+attention loops, so the batch's KV is read once from the cache instead of being copied out first and
+read again by two small batched matmuls (measured on one AVX-512 core, 150 decodes averaging 300
+tokens of context: 47 ms eager, 19 ms compiled). Prefill stays on SDPA, already compute-bound.
+Compilation (~10-20 s) happens in `warmup`, once per process, for dynamic shapes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.attention.base import DecodeGroup
+from pdserve.attention.torch_ref import TorchAttention
+
+
+def _paged_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, context_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [B, H, D]; caches [KVH, blocks, block_size, D]; table [B, nb]; context_lens [B] -> [B, H, D]."""
+    b, h, d = q.shape
+    kvh, _, block_size, _ = k_cache.shape
+    nb = table.shape[1]
+    k = k_cache[:, table].float()  # [KVH, B, nb, bs, D], fused into the loops below
+    v = v_cache[:, table].float()
+    qg = q.view(b, kvh, h // kvh, d).transpose(0, 1).float()  # [KVH, B, G, D]
+    scores = (qg[:, :, :, None, None, :] * k[:, :, None]).sum(-1) * scale  # [KVH, B, G, nb, bs]
+    pos = torch.arange(nb * block_size, device=q.device).view(nb, block_size)
+    scores = scores.masked_fill(pos >= context_lens[None, :, None, None, None], float("-inf"))
+    m = scores.amax(dim=(3, 4), keepdim=True)
+    e = torch.exp(scores - m)
+    p = e / e.sum(dim=(3, 4), keepdim=True)
+    out = (p[..., None] * v[:, :, None]).sum((3, 4))  # [KVH, B, G, D]
+    return out.transpose(0, 1).reshape(b, h, d).to(q.dtype)
+
+
+class CompiledTorchAttention(TorchAttention):
+    name = "torch-compiled"
+
+    def __init__(self) -> None:
+        self._decode = torch.compile(_paged_decode, dynamic=True)
+
+    def warmup(self, k_cache: torch.Tensor, num_heads: int) -> None:
+        kvh, num_blocks, block_size, d = k_cache.shape
+        dev = k_cache.device
+        # A general shape, then the size-1 specialisations (one request, one block) that dynamo adds.
+        for b, nb in ((3, 2), (1, 1)):
+            q = torch.zeros(b, num_heads, d, dtype=k_cache.dtype, device=dev)
+            table = torch.zeros(b, nb, dtype=torch.int64, device=dev)
+            ctx = torch.ones(b, dtype=torch.int64, device=dev)
+            self._decode(q, k_cache, k_cache, table, ctx, 1.0)
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup, scale: float) -> torch.Tensor:
+        return self._decode(q, k_cache, v_cache, g.block_table, g.context_lens, scale)
