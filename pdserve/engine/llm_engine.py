@@ -102,6 +102,8 @@ class LLMEngine:
         num_blocks = cc.num_blocks or max(
             1, int(cc.kv_cache_memory_gb * (1 << 30)) // kv_block_bytes(model_config, cc.block_size, self.dtype)
         )
+        # A sequence can never outgrow the whole KV cache (it would preempt itself forever): cap it there.
+        self.max_model_len = min(self.max_model_len, num_blocks * cc.block_size)
         self.kv_cache = KVCache(model_config, num_blocks, cc.block_size, self.dtype, self.device)
         self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(sc, self.block_manager, make_policy(sc.policy))
@@ -170,13 +172,8 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
-                f"the prompt has {len(token_ids)} tokens but the model's context length is {self.max_model_len} "
-                "(prompt plus at least one generated token must fit)"
-            )
-        if self.block_manager.num_blocks_for(len(token_ids) + 1) > self.block_manager.num_blocks:
-            raise InvalidRequestError(
-                f"the prompt has {len(token_ids)} tokens, more than the whole KV cache holds "
-                f"({self.block_manager.num_blocks * self.block_manager.block_size} tokens)"
+                f"the prompt has {len(token_ids)} tokens but the context length is {self.max_model_len} "
+                "(prompt plus at least one generated token must fit in the model's context and the KV cache)"
             )
 
     def abort_request(self, req_id: str) -> RequestOutput | None:

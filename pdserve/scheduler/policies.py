@@ -21,6 +21,7 @@ class StepPlan:
     admit: bool  # admit waiting requests
     whole_prompts: bool  # admit a prompt only if all of it fits this step's remaining budget
     token_budget: int | None = None  # override of max_num_batched_tokens for this step
+    run_prefills: bool = True  # running requests still in their prompt (or recomputing) get a chunk
 
 
 class Policy(Protocol):
@@ -39,7 +40,9 @@ class PrefillFirst:
 
     def plan(self, running: Sequence[Request], waiting: Sequence[Request]) -> list[StepPlan]:
         prefill = StepPlan(running_first=True, run_decodes=False, admit=True, whole_prompts=True)
-        decode = StepPlan(running_first=True, run_decodes=True, admit=False, whole_prompts=True)
+        decode = StepPlan(
+            running_first=True, run_decodes=True, admit=False, whole_prompts=True, run_prefills=False
+        )
         return [prefill, decode]
 
 

@@ -25,6 +25,11 @@ from pdserve.request import FinishReason, Request, RequestStatus
 from pdserve.scheduler.policies import Policy, StepPlan
 
 
+def _is_decode(req: Request) -> bool:
+    """Past its prompt with only its latest sampled token left to compute."""
+    return not req.is_prefill and req.num_tokens - req.num_computed_tokens == 1
+
+
 @dataclass(slots=True)
 class ScheduledRequest:
     req: Request
@@ -123,19 +128,19 @@ class Scheduler:
                 i += 1
                 continue
             remaining = req.num_tokens - req.num_computed_tokens
-            is_decode = not req.is_prefill and remaining == 1
-            if is_decode and not plan.run_decodes:
+            if not (plan.run_decodes if _is_decode(req) else plan.run_prefills):
                 i += 1
                 continue
-            n = min(remaining, budget, chunk_cap if req.is_prefill else remaining)
+            n = min(remaining, budget, chunk_cap)  # recomputing past the prompt is chunked like a prompt
             while not bm.allocate_slots(req, req.num_computed_tokens + n):
                 victim: Request | None = self.running[-1]
                 if id(victim) in scheduled_ids:  # never take back what this step already gave out
                     victim = req
-                if victim is req and any(id(r) not in scheduled_ids for r in self.running[:i]):
-                    # Older requests this step leaves idle (decodes a prefill step stalls) hold the
-                    # blocks: wait for them. Preempting `req` would readmit it and restart its prompt
-                    # at once, forever.
+                if victim is req and any(
+                    r is not req and id(r) not in scheduled_ids and _is_decode(r) for r in self.running
+                ):
+                    # Decodes this step stalls hold the blocks: wait for them (a decode step runs them).
+                    # Preempting `req` would readmit it and restart its prompt at once, forever.
                     victim = None
                     break
                 self._preempt(victim, out)
@@ -155,7 +160,7 @@ class Scheduler:
     def _admit_waiting(self, plan: StepPlan, budget: int, chunk_cap: int, out: SchedulerOutput) -> int:
         bm = self.block_manager
         full_budget = budget
-        step_budget = plan.token_budget if plan.token_budget is not None else self.config.max_num_batched_tokens
+        step_budget = self.config.max_num_batched_tokens if plan.token_budget is None else plan.token_budget
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             computed = bm.get_computed_blocks(req)
@@ -182,7 +187,7 @@ class Scheduler:
     def _add(self, out: SchedulerOutput, req: Request, n: int) -> None:
         out.scheduled.append(ScheduledRequest(req, n))
         out.num_batched_tokens += n
-        if not req.is_prefill and req.num_tokens - req.num_computed_tokens == 1:
+        if _is_decode(req):
             out.num_decode_tokens += n
         else:
             out.num_prefill_tokens += n

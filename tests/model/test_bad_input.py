@@ -90,3 +90,20 @@ def test_failed_step_fails_its_requests_only(make_tiny_llm, monkeypatch):
 def test_unknown_model_path():
     with pytest.raises(ModelLoadError, match="not found"):
         LLM(model="/no/such/model.gguf", device="cpu")
+
+
+def test_sequence_that_would_outgrow_the_kv_cache_stops_with_length(make_tiny_llm):
+    llm = make_tiny_llm(num_blocks=4, block_size=2)  # 8 tokens of KV in all
+    out = llm.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "length"
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 8
+    assert llm.engine.block_manager.num_free_blocks == 4
+
+
+def test_control_plane_imports_without_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; import pdserve, pdserve.scheduler, pdserve.kv.block_manager, pdserve.request; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
