@@ -23,7 +23,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--num-threads", type=int, default=None)
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "torch-compiled"])
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "torch-compiled", "cpu-paged"])
     g.add_argument("--seed", type=int, default=0)
 
 

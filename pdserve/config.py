@@ -64,7 +64,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16
     device: str = "auto"  # auto | cpu | cuda
     num_threads: int | None = None
-    attention_backend: str = "auto"  # auto | torch | torch-compiled (auto: compiled for 16-bit dtypes)
+    attention_backend: str = "auto"  # auto | torch | torch-compiled | cpu-paged (auto: see LLMEngine)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0

@@ -49,6 +49,7 @@ class AttentionMetadata:
 
 class AttentionBackend(Protocol):
     name: str
+    pads_decodes: bool  # decode cost grows with padding: the runner groups decodes by context length
 
     def forward(
         self,
@@ -70,6 +71,7 @@ class AttentionBackend(Protocol):
 
 _BACKENDS = {
     "torch": "pdserve.attention.torch_ref:TorchAttention",
+    "cpu-paged": "pdserve.attention.cpu_paged:CpuPagedAttention",
     "torch-compiled": "pdserve.attention.torch_compiled:CompiledTorchAttention",
 }
 

@@ -16,6 +16,7 @@ from pdserve.attention.base import AttentionMetadata, DecodeGroup
 
 class TorchAttention:
     name = "torch"
+    pads_decodes = True
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:  # type: ignore[no-untyped-def]
         kvh, num_blocks, block_size, d = k_cache.shape

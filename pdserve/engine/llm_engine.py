@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.attention.base import get_attention_backend
+from pdserve.attention.base import AttentionBackend, get_attention_backend
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.errors import InvalidRequestError
@@ -107,11 +107,7 @@ class LLMEngine:
         self.kv_cache = KVCache(model_config, num_blocks, cc.block_size, self.dtype, self.device)
         self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(sc, self.block_manager, make_policy(sc.policy))
-        backend = config.attention_backend
-        if backend == "auto":
-            # Inductor's fused paged decode beats gather + bmm for 16-bit caches; fp32 stays eager (tests).
-            backend = "torch" if self.dtype == torch.float32 else "torch-compiled"
-        attn = get_attention_backend(backend)
+        attn = self._make_attention(config.attention_backend)
         attn.warmup(self.kv_cache.layers[0][0], model_config.num_heads)
         self.runner = ModelRunner(self.model, self.kv_cache, attn, self.device, config.seed)
         eos = set(model_config.eos_token_ids)
@@ -124,8 +120,20 @@ class LLMEngine:
         logger.info(
             "engine ready in %.1fs: %s, %s on %s, %d KV blocks x %d tokens (%.2f GiB), policy %s, attention %s",
             time.perf_counter() - t0, self.model_name, self.dtype, self.device, num_blocks, cc.block_size,
-            self.kv_cache.nbytes / (1 << 30), sc.policy, backend,
+            self.kv_cache.nbytes / (1 << 30), sc.policy, attn.name,
         )
+
+    def _make_attention(self, name: str) -> AttentionBackend:
+        if name != "auto":
+            return get_attention_backend(name)
+        if self.dtype == torch.float32:
+            return get_attention_backend("torch")  # the reference: what the fp32 correctness tests use
+        if self.device.type == "cpu":
+            try:
+                return get_attention_backend("cpu-paged")
+            except Exception as e:  # no compiler, or it failed: the compiled torch backend still works
+                logger.warning("C++ paged decode kernel unavailable (%s); using torch-compiled", e)
+        return get_attention_backend("torch-compiled")
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(

@@ -109,7 +109,8 @@ class ModelRunner:
         slot_mapping = table[req_of_token, positions // bs] * bs + positions % bs
         num_decodes = sum(1 for n in lens if n == 1)
         groups = []
-        for g0, g1 in _decode_groups([starts[i] + 1 for i in range(num_decodes)]):
+        max_waste = 0.25 if self.attn.pads_decodes else float("inf")
+        for g0, g1 in _decode_groups([starts[i] + 1 for i in range(num_decodes)], max_waste):
             nb = -(-(starts[g1 - 1] + 1) // bs)  # contexts ascend: the last is the longest
             groups.append(DecodeGroup(
                 query_start=g0,

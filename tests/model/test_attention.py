@@ -21,7 +21,7 @@ def naive(q, k, v, scale):  # q [L, H, D] for the last L positions; k, v [S, KVH
     return torch.einsum("hls,shd->lhd", scores.softmax(-1), v.float())
 
 
-@pytest.mark.parametrize("backend", ["torch", "torch-compiled"])
+@pytest.mark.parametrize("backend", ["torch", "torch-compiled", "cpu-paged"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 def test_mixed_step_matches_naive(dtype, tol, backend):
     g = torch.Generator().manual_seed(0)

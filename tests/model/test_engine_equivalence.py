@@ -42,8 +42,9 @@ def _tokens(llm, prompts, params=GREEDY):
         dict(scheduler="chunked", max_num_batched_tokens=64, chunk_size=7),
         dict(scheduler="prefill-first", max_num_batched_tokens=32),  # prompts longer than the budget
         dict(block_size=16),
+        dict(attention_backend="cpu-paged", scheduler="chunked", max_num_batched_tokens=32),
     ],
-    ids=["default", "no-prefix-cache", "chunked-16", "chunked-64-c7", "prefill-first-32", "block16"],
+    ids=["default", "no-prefix-cache", "chunked-16", "chunked-64-c7", "prefill-first-32", "block16", "cpu-paged"],
 )
 def test_batched_equals_sequential(make_tiny_llm, prompts, reference, opts):
     assert _tokens(make_tiny_llm(**opts), prompts) == reference

@@ -1,0 +1,46 @@
+"""CPU backend: decode attention by a small C++ kernel that reads K/V in place through the block table.
+
+The kernel (`csrc/paged_decode.cpp`) walks each request's real context block by block, once over K for
+the scores and once over V for the output, split over (request, kv head) pairs on ATen's thread pool.
+It reads each KV row once and never pads, so decodes of any context lengths go in one call (measured on
+one AVX-512 core, 150 decodes averaging 300 context tokens: 47 ms gather + bmm, 19 ms inductor, 9.6 ms
+here). It is built on first use with the machine's compiler (about 20-40 s, then cached by torch in
+~/.cache/torch_extensions). Prefill stays on the reference SDPA path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from pdserve.attention.base import DecodeGroup
+from pdserve.attention.torch_ref import TorchAttention
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode.cpp")
+
+
+def load_kernel():  # type: ignore[no-untyped-def]
+    """Build (or load the cached build of) the extension; raises if no compiler can build it."""
+    from torch.utils.cpp_extension import load
+
+    return load(
+        name="pdserve_paged_decode",
+        sources=[_SOURCE],
+        extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"],
+        verbose=False,
+    )
+
+
+class CpuPagedAttention(TorchAttention):
+    name = "cpu-paged"
+    pads_decodes = False  # the kernel reads only real context: one call for all decodes
+
+    def __init__(self) -> None:
+        self._kernel = load_kernel()
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup, scale: float) -> torch.Tensor:
+        return self._kernel.paged_decode(q, k_cache, v_cache, g.block_table, g.context_lens, scale)
