@@ -38,25 +38,28 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=[])
 
 
-def make_llm(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from pdserve import LLM
+def engine_config(args: argparse.Namespace, num_threads: int | None = None):  # type: ignore[no-untyped-def]
+    """The engine part of the command line, for `generate`, `chat` and `serve` alike."""
+    from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 
-    return LLM(
+    return EngineConfig(
         model=args.model,
         dtype=args.dtype,
         device=args.device,
-        scheduler=args.scheduler,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        chunk_size=args.chunk_size,
-        block_size=args.block_size,
-        kv_cache_memory_gb=args.kv_cache_memory_gb,
-        enable_prefix_caching=not args.no_prefix_caching,
-        num_threads=args.num_threads,
+        num_threads=num_threads if num_threads is not None else args.num_threads,
         attention_backend=args.attention_backend,
         seed=args.seed,
+        cache=CacheConfig(args.block_size, None, args.kv_cache_memory_gb, not args.no_prefix_caching),
+        scheduler=SchedulerConfig(
+            args.scheduler, args.max_num_batched_tokens, args.max_num_seqs, args.max_model_len, args.chunk_size
+        ),
     )
+
+
+def make_llm(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from pdserve import LLM
+
+    return LLM.from_config(engine_config(args))
 
 
 def make_params(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -116,7 +119,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import json
     import os
 
-    from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from pdserve.config import ModelConfig
     from pdserve.server.api import serve
     from pdserve.server.config import RandomModelSpec, ServerConfig
 
@@ -135,22 +138,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except (ValueError, TypeError, AttributeError) as e:
             print(f"error: --random-weights: {e}", file=sys.stderr)
             return 2
-    engine = EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        num_threads=num_threads,
-        attention_backend=args.attention_backend,
-        seed=args.seed,
-        cache=CacheConfig(args.block_size, None, args.kv_cache_memory_gb, not args.no_prefix_caching),
-        scheduler=SchedulerConfig(
-            args.scheduler,
-            args.max_num_batched_tokens,
-            args.max_num_seqs,
-            args.max_model_len,
-            args.chunk_size,
-        ),
-    )
+    engine = engine_config(args, num_threads)
     config = ServerConfig(
         engine=engine,
         host=args.host,
@@ -205,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except PdserveError as e:
+    except (PdserveError, ValueError) as e:  # bad model path, bad option values
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -56,6 +56,10 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ValueError("chunk_size must be >= 1")
+        from pdserve.scheduler.policies import POLICIES  # pure Python, no cycle
+
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown scheduler policy {self.policy!r}; choose from {sorted(POLICIES)}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -53,6 +53,13 @@ class LLM:
         )
         self.engine = LLMEngine(config, model_config=model_config, weights=weights, tokenizer=tokenizer)
 
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        """An LLM over an engine built from a complete `EngineConfig` (the CLI's path)."""
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(config)
+        return llm
+
     @property
     def tokenizer(self) -> object | None:
         return self.engine.tokenizer

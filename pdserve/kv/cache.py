@@ -1,5 +1,6 @@
 """The paged K/V tensors. One allocation for all layers, `[num_layers, 2, num_kv_heads, num_blocks,
-block_size, head_dim]`, so moving a request's blocks (transfer, swap) is one gather per block list.
+block_size, head_dim]`, so moving a request's blocks (transfer, swap: next issues) is one gather per
+block list.
 Layers see `[num_kv_heads, num_blocks, block_size, head_dim]` views; a token's slot is
 `block_id * block_size + offset`.
 
@@ -30,10 +31,3 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
-
-    def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """K/V of the given blocks for every layer: [num_layers, 2, kv_heads, len(block_ids), block_size, head_dim]."""
-        return self.data[:, :, :, torch.tensor(block_ids, device=self.data.device)]
-
-    def scatter_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
-        self.data[:, :, :, torch.tensor(block_ids, device=self.data.device)] = blocks.to(self.data.device)
