@@ -94,6 +94,7 @@ class LLMEngine:
         model.load_hf_weights(weights)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.inv_freq = self.model.inv_freq.float()
+        self.model.prepack_for_cpu()
         del weights
 
         sc = config.scheduler

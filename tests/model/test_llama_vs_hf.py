@@ -79,3 +79,19 @@ def test_greedy_matches_hf_generate(make_tiny_llm, hf_model):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, 24)
+
+
+def test_prepacked_projections_are_bit_identical(tiny_weights):
+    from pdserve.model.llama import LlamaModel
+
+    model = LlamaModel(TINY)
+    model.load_hf_weights(tiny_weights)
+    model = model.to(torch.bfloat16)
+    layer = model.layers[0]
+    x = torch.randn(5, TINY.hidden_size, dtype=torch.bfloat16)
+    plain = [layer.linear(x, "qkv"), layer.linear(x, "gate_up")]
+    assert model.prepack_for_cpu()
+    assert set(layer.packed) == {"qkv", "o", "gate_up", "down"}
+    packed = [layer.linear(x, "qkv"), layer.linear(x, "gate_up")]
+    for a, b in zip(plain, packed):
+        assert torch.equal(a, b)
