@@ -154,6 +154,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Benchmark an OpenAI-compatible server: replay a workload, print the latency table, write JSON."""
+    from pdserve.bench.metrics import parse_slo
+    from pdserve.bench.serve_bench import run_bench
+
+    slo = parse_slo(args.slo) if args.slo else None
+    run_bench(
+        args.base_url,
+        args.model,
+        args.dataset,
+        args.num_prompts,
+        args.request_rate,
+        args.burstiness,
+        args.max_concurrency,
+        args.seed,
+        slo,
+        args.out,
+        endpoint=args.endpoint,
+        random_input_len=args.random_input_len,
+        random_output_len=args.random_output_len,
+        show_progress=not args.no_progress,
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve", description="pdserve: prefill/decode-aware LLM serving")
     parser.add_argument("--log-level", default="WARNING")
@@ -188,6 +213,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--random-weights", default=None, help=argparse.SUPPRESS)
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("bench", help="benchmark an OpenAI-compatible server (TTFT, TPOT, ITL, goodput)")
+    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="the `model` to send (default: the first of /v1/models)")
+    p.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
+    p.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "random"])
+    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--random-input-len", type=int, default=1024)
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, or inf (default)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1: Poisson)")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo", default=None, help="targets in ms, e.g. ttft=500,tpot=50,itl=100")
+    p.add_argument("--out", default=None, help="write the report (every request's record) to this JSON file")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_bench)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,181 @@
+"""Async load generator for any OpenAI-compatible server: replays a workload with Poisson or gamma arrivals
+and records, per request, the time of every streamed token.
+
+`run_requests` draws the inter-arrival gaps up front (seeded), starts one task per request when it is due,
+and lets `--max-concurrency` hold tasks back with a semaphore (the wait shows up as arrival → send, not
+in TTFT). Each task streams `/v1/completions` (or `/v1/chat/completions`) with `ignore_eos`, greedy
+sampling, `max_tokens` = the sample's output length and `stream_options.include_usage`, stamps every chunk
+that carries choices, and takes the output token count from the final usage chunk. Errors (HTTP status,
+error events in the stream, connection failures) end up in the record, never as exceptions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+from pdserve.bench.datasets import SampleRequest
+from pdserve.bench.metrics import RequestRecord
+
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+@dataclass(frozen=True, slots=True)
+class LoadConfig:
+    base_url: str  # e.g. http://127.0.0.1:8000 (a trailing /v1 is accepted)
+    model: str
+    endpoint: str = "completions"  # "completions" | "chat"
+    request_rate: float = math.inf  # requests/s; inf sends everything at once
+    burstiness: float = 1.0  # gamma shape; 1 is Poisson, < 1 burstier, > 1 more regular
+    max_concurrency: int | None = None
+    seed: int = 0
+    timeout_s: float = 6 * 3600.0
+
+    def __post_init__(self) -> None:
+        if self.endpoint not in ENDPOINTS:
+            raise ValueError(f"endpoint must be one of {sorted(ENDPOINTS)}, got {self.endpoint!r}")
+        if not self.request_rate > 0:
+            raise ValueError(f"request_rate must be > 0 (or inf), got {self.request_rate}")
+        if not self.burstiness > 0:
+            raise ValueError(f"burstiness must be > 0, got {self.burstiness}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+
+
+def api_root(base_url: str) -> str:
+    """`http://host:port` from a base URL given with or without a trailing `/v1`."""
+    url = base_url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def arrival_offsets(num_requests: int, request_rate: float, burstiness: float, seed: int) -> list[float]:
+    """Seconds after the start at which each request is due.
+
+    Gaps are gamma-distributed with shape `burstiness` and mean `1/request_rate` (shape 1: exponential, a
+    Poisson process). The first request is due at 0. An infinite rate makes every request due at once.
+    """
+    if num_requests == 0:
+        return []
+    if math.isinf(request_rate):
+        return [0.0] * num_requests
+    rng = np.random.default_rng(seed)
+    gaps = rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=num_requests - 1)
+    return [0.0, *np.cumsum(gaps).tolist()]
+
+
+def request_body(cfg: LoadConfig, sample: SampleRequest) -> dict:
+    body: dict = {
+        "model": cfg.model,
+        "max_tokens": sample.output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if cfg.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": sample.prompt}]
+    else:
+        body["prompt"] = sample.prompt
+    return body
+
+
+async def fetch_model_name(base_url: str, timeout_s: float = 30.0) -> str:
+    """The first model `GET /v1/models` lists."""
+    async with httpx.AsyncClient(trust_env=False, timeout=timeout_s) as http:
+        r = await http.get(api_root(base_url) + "/v1/models")
+        r.raise_for_status()
+        models = r.json().get("data") or []
+    if not models:
+        raise RuntimeError(f"{base_url} lists no models")
+    return str(models[0]["id"])
+
+
+async def _send(
+    http: httpx.AsyncClient, url: str, body: dict, rec: RequestRecord, t0: float
+) -> None:
+    """Stream one request, filling `rec`; times are seconds since `t0`."""
+    num_chunks = 0
+    rec.send_time = time.perf_counter() - t0
+    try:
+        async with http.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                text = (await r.aread()).decode("utf-8", "replace")
+                rec.error = f"HTTP {r.status_code}: {text[:500]}"
+                return
+            async for line in r.aiter_lines():
+                now = time.perf_counter() - t0
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    rec.error = f"stream error: {json.dumps(chunk['error'])[:500]}"
+                    return
+                if chunk.get("choices"):
+                    rec.token_times.append(now)
+                    num_chunks += 1
+                usage = chunk.get("usage")
+                if usage:
+                    rec.output_len = int(usage.get("completion_tokens", 0))
+                    rec.prompt_len = int(usage.get("prompt_tokens", rec.prompt_len))
+                    rec.usage_reported = True
+    except (httpx.HTTPError, json.JSONDecodeError, ValueError) as e:
+        rec.error = f"{type(e).__name__}: {e}"
+        return
+    finally:
+        rec.end_time = time.perf_counter() - t0
+    if not rec.usage_reported:
+        rec.output_len = num_chunks
+    if num_chunks == 0:
+        rec.error = "the stream carried no tokens"
+        return
+    rec.success = True
+
+
+async def run_requests(
+    cfg: LoadConfig, samples: Sequence[SampleRequest], show_progress: bool = True
+) -> tuple[list[RequestRecord], float]:
+    """Replay `samples` against the server; return one record per sample (in sample order) and the
+    duration in seconds from the start to the end of the last stream."""
+    url = api_root(cfg.base_url) + ENDPOINTS[cfg.endpoint]
+    offsets = arrival_offsets(len(samples), cfg.request_rate, cfg.burstiness, cfg.seed)
+    records = [
+        RequestRecord(req_id=i, prompt_len=s.prompt_len, requested_output_len=s.output_len, arrival_time=a)
+        for i, (s, a) in enumerate(zip(samples, offsets))
+    ]
+    semaphore = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+    bar = tqdm(total=len(samples), disable=not show_progress, desc="requests", unit="req")
+    # No connection limit: with one, requests would queue inside the client and the wait would count as TTFT.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(
+        trust_env=False, limits=limits, timeout=httpx.Timeout(cfg.timeout_s, connect=30.0)
+    ) as http:
+        t0 = time.perf_counter()
+
+        async def one(sample: SampleRequest, rec: RequestRecord) -> None:
+            delay = rec.arrival_time - (time.perf_counter() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if semaphore is None:
+                await _send(http, url, request_body(cfg, sample), rec, t0)
+            else:
+                async with semaphore:
+                    await _send(http, url, request_body(cfg, sample), rec, t0)
+            bar.update(1)
+
+        try:
+            await asyncio.gather(*(one(s, r) for s, r in zip(samples, records)))
+        finally:
+            bar.close()
+        duration = time.perf_counter() - t0
+    return records, duration
