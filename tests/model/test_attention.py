@@ -21,11 +21,12 @@ def naive(q, k, v, scale):  # q [L, H, D] for the last L positions; k, v [S, KVH
     return torch.einsum("hls,shd->lhd", scores.softmax(-1), v.float())
 
 
+@pytest.mark.parametrize("head_dim", [16, 64])  # 64 takes the AVX-512 BF16 path of cpu-paged where built
 @pytest.mark.parametrize("backend", ["torch", "torch-compiled", "cpu-paged"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_mixed_step_matches_naive(dtype, tol, backend):
+def test_mixed_step_matches_naive(dtype, tol, backend, head_dim):
     g = torch.Generator().manual_seed(0)
-    H, KVH, D, bs, nblocks = 6, 2, 16, 4, 64
+    H, KVH, D, bs, nblocks = 6, 2, head_dim, 4, 64
     k_cache = torch.zeros(KVH, nblocks, bs, D, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     perm = torch.randperm(nblocks, generator=g).tolist()

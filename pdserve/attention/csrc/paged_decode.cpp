@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -89,6 +90,85 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
   });
 }
 
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define PDSERVE_HAVE_AVX512BF16 1
+
+// bf16 K/V, head_dim 64, G query heads per kv head: AVX-512 BF16 dot products for q.k (32 pairs per
+// instruction, no conversion of K) and register-resident accumulators for p.v.
+template <int G>
+void decode_bf16_d64(const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache,
+                     const int64_t* table, const int64_t* ctx, at::BFloat16* out, int64_t B, int64_t H,
+                     int64_t KVH, int64_t NB, int64_t BS, int64_t max_blocks, float scale) {
+  constexpr int64_t D = 64;
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t b = idx / KVH, h = idx % KVH, L = ctx[b];
+      const int64_t* blocks = table + b * max_blocks;
+      __m512bh qv[G][2];
+      for (int g = 0; g < G; ++g) {
+        const at::BFloat16* qg = q + (b * H + h * G + g) * D;
+        qv[g][0] = (__m512bh)_mm512_loadu_si512(qg);
+        qv[g][1] = (__m512bh)_mm512_loadu_si512(qg + 32);
+      }
+      scores.resize(G * L);
+      const at::BFloat16* kh = k_cache + h * NB * BS * D;
+      const at::BFloat16* vh = v_cache + h * NB * BS * D;
+      for (int64_t t = 0; t < L; ++t) {
+        const at::BFloat16* k = kh + (blocks[t / BS] * BS + t % BS) * D;
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(k), k1 = (__m512bh)_mm512_loadu_si512(k + 32);
+        for (int g = 0; g < G; ++g) {
+          __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], k0);
+          acc = _mm512_dpbf16_ps(acc, qv[g][1], k1);
+          scores[g * L + t] = _mm512_reduce_add_ps(acc) * scale;
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * L;
+        float m = sg[0];
+        for (int64_t t = 1; t < L; ++t) m = std::max(m, sg[t]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < L; ++t) {
+          sg[t] = std::exp(sg[t] - m);
+          sum += sg[t];
+        }
+        const float inv = 1.f / sum;
+#pragma omp simd
+        for (int64_t t = 0; t < L; ++t) sg[t] *= inv;
+      }
+      __m512 acc[G][4];
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_setzero_ps();
+      for (int64_t t = 0; t < L; ++t) {
+        const at::BFloat16* v = vh + (blocks[t / BS] * BS + t % BS) * D;
+        __m512 vr[4];
+        for (int j = 0; j < 4; ++j) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * j));
+          vr[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+        }
+        for (int g = 0; g < G; ++g) {
+          const __m512 p = _mm512_set1_ps(scores[g * L + t]);
+          for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_fmadd_ps(p, vr[j], acc[g][j]);
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        at::BFloat16* o = out + (b * H + h * G + g) * D;
+        for (int j = 0; j < 4; ++j) {
+          // round to nearest even bf16, as torch does
+          __m512i bits = _mm512_castps_si512(acc[g][j]);
+          __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+          bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * j), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+        }
+      }
+    }
+  });
+}
+#endif
+
 }  // namespace
 
 // q [B, H, D]; k_cache, v_cache [KVH, NB, BS, D] (contiguous); table [B, max_blocks] int64;
@@ -106,6 +186,21 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const int64_t KVH = k_cache.size(0), NB = k_cache.size(1), BS = k_cache.size(2);
   TORCH_CHECK(H % KVH == 0 && k_cache.size(3) == D, "head layout mismatch");
   auto out = torch::empty_like(q);
+#ifdef PDSERVE_HAVE_AVX512BF16
+  if (q.scalar_type() == torch::kBFloat16 && D == 64 && H / KVH <= 4) {
+    auto args = std::make_tuple(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
+                                v_cache.data_ptr<at::BFloat16>(), table.data_ptr<int64_t>(),
+                                context_lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), B, H, KVH, NB, BS,
+                                table.size(1), static_cast<float>(scale));
+    switch (H / KVH) {
+      case 1: std::apply(decode_bf16_d64<1>, args); break;
+      case 2: std::apply(decode_bf16_d64<2>, args); break;
+      case 3: std::apply(decode_bf16_d64<3>, args); break;
+      default: std::apply(decode_bf16_d64<4>, args); break;
+    }
+    return out;
+  }
+#endif
   if (q.scalar_type() == torch::kBFloat16) {
     decode_kernel<at::BFloat16>(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
                                 v_cache.data_ptr<at::BFloat16>(), table.data_ptr<int64_t>(),
