@@ -76,10 +76,11 @@ class LlamaLayer(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         h = rms_norm(x, self.input_norm, self.eps)
-        q, k, v = self.linear(h, "qkv").split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.linear(h, "qkv")
+        # RoPE on q and k together: one set of ops for both (per-op overhead dominates small batches).
+        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         a = attn.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         x = x + self.linear(a.reshape(t, self.q_size), "o")
         h = rms_norm(x, self.post_norm, self.eps)
