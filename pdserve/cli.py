@@ -14,11 +14,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="a .gguf file or a Hugging Face directory (default: bundled SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    g.add_argument("--scheduler", default="prefill-first", help="scheduling policy: prefill-first | chunked")
+    g.add_argument(
+        "--scheduler", default="prefill-first",
+        help="scheduling policy: prefill-first | chunked | decode-priority",
+    )
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-model-len", type=int, default=2048)
     g.add_argument("--chunk-size", type=int, default=None)
+    g.add_argument(
+        "--decode-priority-max-decodes", type=int, default=64,
+        help="decode-priority: pause prefills while this many decodes run",
+    )
+    g.add_argument(
+        "--decode-priority-max-wait-steps", type=int, default=1,
+        help="decode-priority: pause prefills while a decode has gone more steps than this without a token",
+    )
+    g.add_argument(
+        "--decode-priority-max-decode-steps", type=int, default=8,
+        help="decode-priority: at most this many decode-only steps in a row while prompts wait",
+    )
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
     g.add_argument("--no-prefix-caching", action="store_true")
@@ -51,7 +66,14 @@ def engine_config(args: argparse.Namespace, num_threads: int | None = None):  # 
         seed=args.seed,
         cache=CacheConfig(args.block_size, None, args.kv_cache_memory_gb, not args.no_prefix_caching),
         scheduler=SchedulerConfig(
-            args.scheduler, args.max_num_batched_tokens, args.max_num_seqs, args.max_model_len, args.chunk_size
+            args.scheduler,
+            args.max_num_batched_tokens,
+            args.max_num_seqs,
+            args.max_model_len,
+            args.chunk_size,
+            decode_priority_max_decodes=args.decode_priority_max_decodes,
+            decode_priority_max_wait_steps=args.decode_priority_max_wait_steps,
+            decode_priority_max_decode_steps=args.decode_priority_max_decode_steps,
         ),
     )
 

@@ -50,12 +50,21 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_model_len: int = 2048
     chunk_size: int | None = None  # largest prompt chunk per request per step (None: the budget)
+    # decode-priority: prefills pause while this many decodes run, or while the oldest decode has gone
+    # more than max_wait_steps steps without a token; at most max_decode_steps such steps in a row.
+    decode_priority_max_decodes: int = 64
+    decode_priority_max_wait_steps: int = 1
+    decode_priority_max_decode_steps: int = 8
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ValueError("chunk_size must be >= 1")
+        if self.decode_priority_max_decodes < 1 or self.decode_priority_max_decode_steps < 1:
+            raise ValueError("decode_priority_max_decodes and decode_priority_max_decode_steps must be >= 1")
+        if self.decode_priority_max_wait_steps < 0:
+            raise ValueError("decode_priority_max_wait_steps must be >= 0")
         from pdserve.scheduler.policies import POLICIES  # pure Python, no cycle
 
         if self.policy not in POLICIES:

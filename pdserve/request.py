@@ -126,6 +126,11 @@ class Request:
         return self.num_computed_tokens < self.num_prompt_tokens
 
     @property
+    def is_decode(self) -> bool:
+        """Past its prompt with only its latest sampled token left to compute."""
+        return not self.is_prefill and self.num_tokens - self.num_computed_tokens == 1
+
+    @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 

@@ -107,7 +107,7 @@ class LLMEngine:
         self.max_model_len = min(self.max_model_len, num_blocks * cc.block_size)
         self.kv_cache = KVCache(model_config, num_blocks, cc.block_size, self.dtype, self.device)
         self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
-        self.scheduler = Scheduler(sc, self.block_manager, make_policy(sc.policy))
+        self.scheduler = Scheduler(sc, self.block_manager, make_policy(sc.policy, sc))
         attn = self._make_attention(config.attention_backend)
         attn.warmup(self.kv_cache.layers[0][0], model_config.num_heads)
         self.runner = ModelRunner(self.model, self.kv_cache, attn, self.device, config.seed)

@@ -25,10 +25,6 @@ from pdserve.request import FinishReason, Request, RequestStatus
 from pdserve.scheduler.policies import Policy, StepPlan
 
 
-def _is_decode(req: Request) -> bool:
-    """Past its prompt with only its latest sampled token left to compute."""
-    return not req.is_prefill and req.num_tokens - req.num_computed_tokens == 1
-
 
 @dataclass(slots=True)
 class ScheduledRequest:
@@ -128,7 +124,7 @@ class Scheduler:
                 i += 1
                 continue
             remaining = req.num_tokens - req.num_computed_tokens
-            if not (plan.run_decodes if _is_decode(req) else plan.run_prefills):
+            if not (plan.run_decodes if req.is_decode else plan.run_prefills):
                 i += 1
                 continue
             n = min(remaining, budget, chunk_cap)  # recomputing past the prompt is chunked like a prompt
@@ -137,7 +133,7 @@ class Scheduler:
                 if id(victim) in scheduled_ids:  # never take back what this step already gave out
                     victim = req
                 if victim is req and any(
-                    r is not req and id(r) not in scheduled_ids and _is_decode(r) for r in self.running
+                    r is not req and id(r) not in scheduled_ids and r.is_decode for r in self.running
                 ):
                     # Decodes this step stalls hold the blocks: wait for them (a decode step runs them).
                     # Preempting `req` would readmit it and restart its prompt at once, forever.
@@ -187,7 +183,7 @@ class Scheduler:
     def _add(self, out: SchedulerOutput, req: Request, n: int) -> None:
         out.scheduled.append(ScheduledRequest(req, n))
         out.num_batched_tokens += n
-        if _is_decode(req):
+        if req.is_decode:
             out.num_decode_tokens += n
         else:
             out.num_prefill_tokens += n
