@@ -99,9 +99,7 @@ class ModelRunner:
         starts_t = torch.tensor(starts)
         ctx_t = starts_t + lens_t
         max_blocks = max(len(t) for t in tables)
-        table = torch.zeros(num_reqs, max_blocks, dtype=torch.int64)
-        for i, t in enumerate(tables):
-            table[i, : len(t)] = torch.tensor(t, dtype=torch.int64)
+        table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int64)
 
         cu = torch.cumsum(lens_t, 0)
         req_of_token = torch.repeat_interleave(torch.arange(num_reqs), lens_t)
