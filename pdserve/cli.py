@@ -148,8 +148,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.log_level.upper() == "WARNING":  # the default: a server should say what it is doing
         logging.getLogger("pdserve").setLevel(logging.INFO)
     num_threads = args.num_threads
-    if num_threads is None:  # one core for the HTTP front, the rest for the engine
-        num_threads = max(1, len(os.sched_getaffinity(0)) - 1)
+    if num_threads is None:  # every core for the engine: the front is light (measured in docs/architecture.md)
+        num_threads = len(os.sched_getaffinity(0))
     random_model = None
     if args.random_weights:
         try:
