@@ -5,6 +5,7 @@ checked against the offline API on the same weights, with the `openai` client an
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -22,20 +23,10 @@ from pdserve.model.llama import random_weights
 from pdserve.model.loader import default_model_path
 from pdserve.model.tokenizer import load_tokenizer
 from pdserve.server.launcher import ServerProcess
+from tests.conftest import TINY
 
-# A tiny Llama with SmolLM2's vocabulary, so the real tokenizer fits it.
-TINY_VOCAB = ModelConfig(
-    vocab_size=49152,
-    hidden_size=64,
-    intermediate_size=160,
-    num_layers=3,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-    tie_word_embeddings=False,
-    eos_token_ids=(2,),
-)
+# The tests' tiny Llama with SmolLM2's vocabulary, so the real tokenizer fits it.
+TINY_VOCAB = dataclasses.replace(TINY, vocab_size=49152, eos_token_ids=(2,))
 SEED, STD = 1234, 0.08
 MODEL = "tiny"
 MAX_MODEL_LEN = 512

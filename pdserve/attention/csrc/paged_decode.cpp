@@ -22,6 +22,22 @@ inline float to_float(at::BFloat16 x) {
   return f;
 }
 
+// Softmax of one query head's scores over its L context tokens, in place.
+inline void softmax_inplace(float* s, int64_t L) {
+  float m = s[0];
+#pragma omp simd reduction(max : m)
+  for (int64_t t = 1; t < L; ++t) m = std::max(m, s[t]);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)  // vectorised expf (glibc libmvec) under -ffast-math
+  for (int64_t t = 0; t < L; ++t) {
+    s[t] = std::exp(s[t] - m);
+    sum += s[t];
+  }
+  const float inv = 1.f / sum;
+#pragma omp simd
+  for (int64_t t = 0; t < L; ++t) s[t] *= inv;
+}
+
 template <typename T>
 void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, const int64_t* ctx,
                    T* out, int64_t B, int64_t H, int64_t D, int64_t KVH, int64_t NB, int64_t BS,
@@ -53,21 +69,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
           }
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * L;
-        float m = sg[0];
-#pragma omp simd reduction(max : m)
-        for (int64_t t = 1; t < L; ++t) m = std::max(m, sg[t]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)  // vectorised expf (glibc libmvec) under -ffast-math
-        for (int64_t t = 0; t < L; ++t) {
-          sg[t] = std::exp(sg[t] - m);
-          sum += sg[t];
-        }
-        const float inv = 1.f / sum;
-#pragma omp simd
-        for (int64_t t = 0; t < L; ++t) sg[t] *= inv;
-      }
+      for (int64_t g = 0; g < G; ++g) softmax_inplace(scores.data() + g * L, L);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < L; t0 += BS) {
         const int64_t n = std::min(BS, L - t0);
@@ -125,20 +127,7 @@ void decode_bf16_d64(const at::BFloat16* q, const at::BFloat16* k_cache, const a
           scores[g * L + t] = _mm512_reduce_add_ps(acc) * scale;
         }
       }
-      for (int g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * L;
-        float m = sg[0];
-        for (int64_t t = 1; t < L; ++t) m = std::max(m, sg[t]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < L; ++t) {
-          sg[t] = std::exp(sg[t] - m);
-          sum += sg[t];
-        }
-        const float inv = 1.f / sum;
-#pragma omp simd
-        for (int64_t t = 0; t < L; ++t) sg[t] *= inv;
-      }
+      for (int g = 0; g < G; ++g) softmax_inplace(scores.data() + g * L, L);
       __m512 acc[G][4];
       for (int g = 0; g < G; ++g)
         for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_setzero_ps();
