@@ -16,7 +16,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
     g.add_argument(
         "--scheduler", default="prefill-first",
-        help="scheduling policy: prefill-first | chunked | decode-priority",
+        help="scheduling policy: prefill-first | chunked | decode-priority | slo",
     )
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-num-seqs", type=int, default=128)
@@ -33,6 +33,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--decode-priority-max-decode-steps", type=int, default=8,
         help="decode-priority: at most this many decode-only steps in a row while prompts wait",
+    )
+    g.add_argument("--slo-ttft-ms", type=float, default=500.0, help="slo: time-to-first-token target")
+    g.add_argument(
+        "--slo-itl-ms", type=float, default=50.0,
+        help="slo: inter-token latency target; prompt chunks are sized to keep steps under it",
+    )
+    g.add_argument(
+        "--slo-min-chunk", type=int, default=32,
+        help="slo: prompt tokens a step always gets, even when decodes alone exceed the ITL target",
+    )
+    g.add_argument(
+        "--slo-reject", action="store_true",
+        help="slo: refuse (HTTP 503) requests predicted to miss their TTFT or to push decodes past the ITL",
     )
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
@@ -51,6 +64,40 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--sampling-seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[])
+
+
+def add_disagg_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("prefill/decode disaggregation (docs/disaggregation.md)")
+    g.add_argument(
+        "--disagg", default=None, metavar="XpYd",
+        help="start a local cluster instead: X prefill and Y decode instances (e.g. 1p1d) behind a router "
+        "on --host/--port, KV over shared memory, the cores split between instances",
+    )
+    g.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
+                   help="this instance's role behind `pdserve router` (both: colocated)")
+    g.add_argument("--kv-transfer", default=None, choices=["shm", "tcp"],
+                   help="KV transfer backend (required for --role prefill|decode)")
+    g.add_argument("--kv-transfer-host", default="127.0.0.1", help="tcp: interface (and address) for KV")
+    g.add_argument("--kv-transfer-port", type=int, default=0, help="tcp: port for KV (0: any free one)")
+    g.add_argument("--kv-ack-timeout", type=float, default=10.0,
+                   help="prefill side: seconds the decode side may take to acknowledge the KV")
+    g.add_argument("--kv-lease", type=float, default=120.0,
+                   help="decode side: seconds reserved blocks wait for a prompt's KV")
+    g.add_argument("--kv-verify", action="store_true", help="checksum every KV chunk (tcp always does)")
+
+
+def kv_transfer_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from pdserve.config import KVTransferConfig
+
+    return KVTransferConfig(
+        role=args.role,
+        backend=args.kv_transfer,
+        host=args.kv_transfer_host,
+        port=args.kv_transfer_port,
+        ack_timeout_s=args.kv_ack_timeout,
+        lease_s=args.kv_lease,
+        verify=args.kv_verify,
+    )
 
 
 def engine_config(args: argparse.Namespace, num_threads: int | None = None):  # type: ignore[no-untyped-def]
@@ -74,6 +121,10 @@ def engine_config(args: argparse.Namespace, num_threads: int | None = None):  # 
             decode_priority_max_decodes=args.decode_priority_max_decodes,
             decode_priority_max_wait_steps=args.decode_priority_max_wait_steps,
             decode_priority_max_decode_steps=args.decode_priority_max_decode_steps,
+            slo_ttft_ms=args.slo_ttft_ms,
+            slo_itl_ms=args.slo_itl_ms,
+            slo_min_chunk=args.slo_min_chunk,
+            slo_reject=args.slo_reject,
         ),
     )
 
@@ -147,6 +198,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.log_level.upper() == "WARNING":  # the default: a server should say what it is doing
         logging.getLogger("pdserve").setLevel(logging.INFO)
+    if args.disagg:
+        from pdserve.disagg.cluster import serve_cluster
+
+        return serve_cluster(args.disagg, args.argv, args.host, args.port, args.num_threads)
     num_threads = args.num_threads
     if num_threads is None:  # every core for the engine: the front is light (measured in docs/architecture.md)
         num_threads = len(os.sched_getaffinity(0))
@@ -160,7 +215,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except (ValueError, TypeError, AttributeError) as e:
             print(f"error: --random-weights: {e}", file=sys.stderr)
             return 2
-    engine = engine_config(args, num_threads)
+    from dataclasses import replace
+
+    try:
+        engine = replace(engine_config(args, num_threads), kv_transfer=kv_transfer_config(args))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     config = ServerConfig(
         engine=engine,
         host=args.host,
@@ -176,28 +237,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    """Benchmark an OpenAI-compatible server: replay a workload, print the latency table, write JSON."""
-    from pdserve.bench.metrics import parse_slo
-    from pdserve.bench.serve_bench import run_bench
+def cmd_router(args: argparse.Namespace) -> int:
+    """Run the prefill/decode router: an OpenAI-compatible front over prefill and decode instances."""
+    from pdserve.disagg.router import RouterConfig, serve_router
 
-    slo = parse_slo(args.slo) if args.slo else None
-    run_bench(
-        args.base_url,
-        args.model,
-        args.dataset,
-        args.num_prompts,
-        args.request_rate,
-        args.burstiness,
-        args.max_concurrency,
-        args.seed,
-        slo,
-        args.out,
-        endpoint=args.endpoint,
-        random_input_len=args.random_input_len,
-        random_output_len=args.random_output_len,
-        show_progress=not args.no_progress,
+    def urls(values: list[str]) -> tuple[str, ...]:
+        return tuple(u.strip() for v in values for u in v.split(",") if u.strip())
+
+    if args.log_level.upper() == "WARNING":  # the default: a server should say what it is doing
+        logging.getLogger("pdserve").setLevel(logging.INFO)
+    config = RouterConfig(
+        prefill_urls=urls(args.prefill),
+        decode_urls=urls(args.decode),
+        host=args.host,
+        port=args.port,
+        prefill_policy=args.prefill_policy,
+        decode_policy=args.decode_policy,
+        max_retries=args.max_retries,
+        request_timeout_s=args.request_timeout,
+        load_interval_s=args.load_interval,
+        access_log=args.access_log,
     )
+    serve_router(config)
     return 0
 
 
@@ -234,26 +295,36 @@ def main(argv: list[str] | None = None) -> int:
     # Tests: serve a random model (JSON of ModelConfig fields plus "seed" and "std") with --model's tokenizer.
     p.add_argument("--random-weights", default=None, help=argparse.SUPPRESS)
     add_engine_args(p)
+    add_disagg_args(p)
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("bench", help="benchmark an OpenAI-compatible server (TTFT, TPOT, ITL, goodput)")
-    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
-    p.add_argument("--model", default=None, help="the `model` to send (default: the first of /v1/models)")
-    p.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
-    p.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "random"])
-    p.add_argument("--num-prompts", type=int, default=200)
-    p.add_argument("--random-input-len", type=int, default=1024)
-    p.add_argument("--random-output-len", type=int, default=128)
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, or inf (default)")
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1: Poisson)")
-    p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--slo", default=None, help="targets in ms, e.g. ttft=500,tpot=50,itl=100")
-    p.add_argument("--out", default=None, help="write the report (every request's record) to this JSON file")
-    p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(func=cmd_bench)
+    # `pdserve bench [sweep | compare]`: the parser and commands live in pdserve/bench/commands.py
+    from pdserve.bench.commands import add_bench_parser
+
+    add_bench_parser(sub)
+
+    from pdserve.disagg.policies import DEFAULT_DECODE_POLICY, DEFAULT_PREFILL_POLICY, POLICIES
+
+    p = sub.add_parser("router", help="prefill/decode disaggregation router in front of P and D instances")
+    p.add_argument("--prefill", action="append", required=True, metavar="URL[,URL...]",
+                   help="prefill instance URLs (comma-separated or repeated)")
+    p.add_argument("--decode", action="append", required=True, metavar="URL[,URL...]",
+                   help="decode instance URLs (comma-separated or repeated)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--prefill-policy", default=DEFAULT_PREFILL_POLICY, choices=list(POLICIES))
+    p.add_argument("--decode-policy", default=DEFAULT_DECODE_POLICY, choices=list(POLICIES))
+    p.add_argument("--max-retries", type=int, default=1,
+                   help="attempts on another prefill/decode pair when one fails before anything was streamed")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds to wait for an instance's answer, or for the next bytes of one")
+    p.add_argument("--load-interval", type=float, default=0.5,
+                   help="seconds between polls of every instance's /health and /load")
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.set_defaults(func=cmd_router)
 
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # `serve --disagg` passes them on to instances
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)

@@ -55,6 +55,16 @@ class SchedulerConfig:
     decode_priority_max_decodes: int = 64
     decode_priority_max_wait_steps: int = 1
     decode_priority_max_decode_steps: int = 8
+    # slo: prompt tokens per step are sized by a step-time model fitted online so a step stays under
+    # slo_itl_ms beside the running decodes (but at least slo_min_chunk), prompts go earliest deadline
+    # (arrival + slo_ttft_ms) first; slo_reject refuses requests predicted to miss their TTFT or to push
+    # decode steps past slo_itl_ms. slo_step_model_prior: the model's starting coefficients in seconds
+    # (base, per prefill token, per decode sequence, per context token); None: its defaults.
+    slo_ttft_ms: float = 500.0
+    slo_itl_ms: float = 50.0
+    slo_min_chunk: int = 32
+    slo_reject: bool = False
+    slo_step_model_prior: tuple[float, float, float, float] | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -65,10 +75,48 @@ class SchedulerConfig:
             raise ValueError("decode_priority_max_decodes and decode_priority_max_decode_steps must be >= 1")
         if self.decode_priority_max_wait_steps < 0:
             raise ValueError("decode_priority_max_wait_steps must be >= 0")
+        if not (self.slo_ttft_ms > 0 and self.slo_itl_ms > 0):
+            raise ValueError("slo_ttft_ms and slo_itl_ms must be > 0")
+        if self.slo_min_chunk < 1:
+            raise ValueError("slo_min_chunk must be >= 1")
+        prior = self.slo_step_model_prior
+        if prior is not None and (len(prior) != 4 or any(not v >= 0 for v in prior)):
+            raise ValueError(f"slo_step_model_prior must be 4 non-negative numbers, got {prior!r}")
         from pdserve.scheduler.policies import POLICIES  # pure Python, no cycle
 
         if self.policy not in POLICIES:
             raise ValueError(f"unknown scheduler policy {self.policy!r}; choose from {sorted(POLICIES)}")
+
+
+ROLES = ("both", "prefill", "decode")
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferConfig:
+    """Prefill/decode disaggregation: this instance's role and how its KV moves (docs/disaggregation.md).
+    `both` serves ordinary requests and may also send or receive KV; `prefill` only computes prompts for
+    decode instances (and ordinary requests); `decode` only receives prompts' KV (and ordinary requests)."""
+
+    role: str = "both"
+    backend: str | None = None  # inproc | shm | tcp; None: no transfers
+    host: str = "127.0.0.1"  # tcp: interface to listen on for KV (and the address peers are given)
+    port: int = 0  # tcp: 0 picks a free port
+    ack_timeout_s: float = 10.0  # prefill side: how long after the first token the decode side may take to ack
+    lease_s: float = 120.0  # decode side: how long reserved blocks wait for the prompt's KV
+    verify: bool = False  # checksum every chunk on every backend (tcp always does)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"unknown role {self.role!r}; choose from {list(ROLES)}")
+        if self.role != "both" and self.backend is None:
+            raise ValueError(f"role {self.role!r} needs a KV transfer backend")
+        if self.ack_timeout_s <= 0 or self.lease_s <= 0:
+            raise ValueError("ack_timeout_s and lease_s must be > 0")
+        if self.backend is not None:
+            from pdserve.transfer.registry import TRANSPORTS  # no torch
+
+            if self.backend not in TRANSPORTS:
+                raise ValueError(f"unknown KV transfer backend {self.backend!r}; choose from {sorted(TRANSPORTS)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,4 +128,5 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | torch-compiled | cpu-paged (auto: see LLMEngine)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     seed: int = 0

@@ -12,3 +12,8 @@ class InvalidRequestError(PdserveError, ValueError):
 
 class ModelLoadError(PdserveError):
     """A model path, architecture or tensor type that pdserve cannot load."""
+
+
+class SLORejectedError(PdserveError):
+    """The `slo` policy (with `slo_reject`) refuses a request that it predicts would miss its TTFT target or
+    push running requests past the ITL target; nothing was allocated. The server answers 503."""

@@ -99,6 +99,10 @@ class Request:
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache at (last) admission
     block_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    # Disaggregation: this instance computes the prompt and the first token and the KV goes to a decode
+    # instance (remote_decode), or the KV and first token come from a prefill instance (remote_prefill).
+    remote_decode: bool = False
+    remote_prefill: bool = False
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     error: str | None = None

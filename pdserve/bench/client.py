@@ -5,8 +5,10 @@ and records, per request, the time of every streamed token.
 and lets `--max-concurrency` hold tasks back with a semaphore (the wait shows up as arrival → send, not
 in TTFT). Each task streams `/v1/completions` (or `/v1/chat/completions`) with `ignore_eos`, greedy
 sampling, `max_tokens` = the sample's output length and `stream_options.include_usage`, stamps every chunk
-that carries choices, and takes the output token count from the final usage chunk. Errors (HTTP status,
-error events in the stream, connection failures) end up in the record, never as exceptions.
+that carries choices (keeping its text), and takes the output token count from the final usage chunk
+(`stream_options.continuous_usage_stats`, a running count in every chunk, is not asked for: the final count
+is all the metrics need). Errors (HTTP status, error events in the stream, connection failures) end up in
+the record, never as exceptions.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pdserve.bench.datasets import SampleRequest
 from pdserve.bench.metrics import RequestRecord
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+PREFIX_HITS_METRIC = "pdserve:prefix_cache_hit_tokens_total"
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,11 +101,39 @@ async def fetch_model_name(base_url: str, timeout_s: float = 30.0) -> str:
     return str(models[0]["id"])
 
 
+def _choice_text(choice: dict) -> str:
+    """The text a streamed choice adds: `text` for completions, `delta.content` for chat."""
+    if "text" in choice:
+        return choice["text"] or ""
+    return (choice.get("delta") or {}).get("content") or ""
+
+
+async def fetch_prefix_cache_hits(base_url: str, timeout_s: float = 10.0) -> int | None:
+    """Prompt tokens the server has found in its prefix cache so far, from pdserve's `/metrics`; None
+    when the server does not export that counter (another engine) or `/metrics` does not answer."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        async with httpx.AsyncClient(trust_env=False, timeout=timeout_s) as http:
+            r = await http.get(api_root(base_url) + "/metrics")
+            r.raise_for_status()
+    except httpx.HTTPError:
+        return None
+    hits = [
+        s.value
+        for family in text_string_to_metric_families(r.text)
+        for s in family.samples
+        if s.name == PREFIX_HITS_METRIC
+    ]
+    return int(sum(hits)) if hits else None
+
+
 async def _send(
     http: httpx.AsyncClient, url: str, body: dict, rec: RequestRecord, t0: float
 ) -> None:
     """Stream one request, filling `rec`; times are seconds since `t0`."""
     num_chunks = 0
+    texts: list[str] = []
     rec.send_time = time.perf_counter() - t0
     try:
         async with http.stream("POST", url, json=body) as r:
@@ -121,9 +152,11 @@ async def _send(
                 if "error" in chunk:
                     rec.error = f"stream error: {json.dumps(chunk['error'])[:500]}"
                     return
-                if chunk.get("choices"):
+                choices = chunk.get("choices")
+                if choices:
                     rec.token_times.append(now)
                     num_chunks += 1
+                    texts.append(_choice_text(choices[0]))
                 usage = chunk.get("usage")
                 if usage:
                     rec.output_len = int(usage.get("completion_tokens", 0))
@@ -134,6 +167,7 @@ async def _send(
         return
     finally:
         rec.end_time = time.perf_counter() - t0
+        rec.output_text = "".join(texts)
     if not rec.usage_reported:
         rec.output_len = num_chunks
     if num_chunks == 0:

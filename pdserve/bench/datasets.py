@@ -9,6 +9,9 @@ a few seconds, so callers that sample more than once keep the returned list and 
 Sampling follows the usual serving benchmarks (vLLM's `sample_sharegpt_requests`): first turn is the
 prompt, second turn's token length is the output length, records are shuffled with a seeded RNG and
 tokenized lazily while walking them until enough pass the length filters.
+
+The long-prompt workload (`sample_long_prompt`) mixes many short chats with a few prompts of thousands of
+tokens: the case where one request's prefill stalls the decodes of everyone else.
 """
 
 from __future__ import annotations
@@ -182,7 +185,6 @@ def sample_random(
     if input_len < 1 or output_len < 1:
         raise ValueError(f"input_len and output_len must be >= 1, got {input_len}, {output_len}")
     rng = random.Random(seed)
-    vocab_size = tokenizer.vocab_size
 
     def draw(length: int) -> int:
         low = max(1, math.floor(length * (1 - range_ratio)))
@@ -192,14 +194,99 @@ def sample_random(
     samples: list[SampleRequest] = []
     for _ in range(num_prompts):
         target = draw(input_len)
-        offset = rng.randrange(vocab_size)
-        ids = [(offset + j) % vocab_size for j in range(target)]
-        prompt = tokenizer.decode(ids)
-        # Re-encoding can merge or split tokens; trim to the target a few times so lengths stay close.
-        for _attempt in range(3):
-            encoded = tokenizer.encode(prompt)
-            if len(encoded) <= target:
-                break
-            prompt = tokenizer.decode(encoded[:target])
-        samples.append(SampleRequest(prompt, len(tokenizer.encode(prompt)), draw(output_len)))
+        prompt, prompt_len = _random_prompt(tokenizer, rng, target)
+        samples.append(SampleRequest(prompt, prompt_len, draw(output_len)))
     return samples
+
+
+def _random_prompt(tokenizer: DecodingTokenizer, rng: random.Random, target: int) -> tuple[str, int]:
+    """A run of `target` consecutive token ids from a random offset, decoded; returns the text and its
+    re-encoded length."""
+    vocab_size = tokenizer.vocab_size
+    offset = rng.randrange(vocab_size)
+    ids = [(offset + j) % vocab_size for j in range(target)]
+    prompt = tokenizer.decode(ids)
+    # Re-encoding can merge or split tokens; trim to the target a few times so lengths stay close.
+    for _attempt in range(3):
+        encoded = tokenizer.encode(prompt)
+        if len(encoded) <= target:
+            break
+        prompt = tokenizer.decode(encoded[:target])
+    return prompt, len(tokenizer.encode(prompt))
+
+
+@dataclass(frozen=True, slots=True)
+class LongPromptMix:
+    """Shape of the long-prompt workload. The defaults fit a 2,048-token context: 5% of the requests carry
+    a 1,500-1,900-token prompt and ask for 128 tokens."""
+
+    fraction: float = 0.05  # of the requests that are long
+    min_len: int = 1500  # long prompt length range, tokens (inclusive)
+    max_len: int = 1900
+    output_len: int = 128  # tokens each long request asks for
+    short_input_len: int = 256  # random short chats (without ShareGPT): mean prompt length, +-50%
+    short_output_len: int = 128  # random short chats: mean output length, +-50%
+    max_total_len: int = 2048  # prompt + output of any request, long or short
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.fraction <= 1.0:
+            raise ValueError(f"long-prompt fraction must be in [0, 1], got {self.fraction}")
+        if not 1 <= self.min_len <= self.max_len:
+            raise ValueError(f"long-prompt lengths need 1 <= min <= max, got {self.min_len}, {self.max_len}")
+        if min(self.output_len, self.short_input_len, self.short_output_len) < 1:
+            raise ValueError("long-prompt output and short lengths must be >= 1")
+        if self.max_len + self.output_len > self.max_total_len:
+            raise ValueError(
+                f"long prompts of up to {self.max_len} tokens plus {self.output_len} output tokens do not "
+                f"fit max_total_len={self.max_total_len}"
+            )
+
+    def check_random_shorts(self) -> None:
+        short_total = math.ceil(1.5 * self.short_input_len) + math.ceil(1.5 * self.short_output_len)
+        if short_total > self.max_total_len:
+            raise ValueError(
+                f"random short chats of up to {short_total} tokens exceed max_total_len={self.max_total_len}"
+            )
+
+
+def sample_long_prompt(
+    tokenizer: DecodingTokenizer,
+    num_prompts: int,
+    seed: int = 0,
+    mix: LongPromptMix = LongPromptMix(),
+    *,
+    short_records: Sequence[dict] | None = None,
+) -> list[SampleRequest]:
+    """`round(num_prompts * mix.fraction)` long random-token prompts at seeded random positions among short
+    chats: ShareGPT conversations drawn from `short_records` when given, else random-token prompts.
+
+    Long prompt lengths are drawn uniformly from [mix.min_len, mix.max_len]; a prompt whose re-encoded
+    text comes out shorter than `min_len` is redrawn from another offset. Deterministic for a given seed.
+    """
+    if num_prompts < 0:
+        raise ValueError(f"num_prompts must be >= 0, got {num_prompts}")
+    rng = random.Random(seed)
+    num_long = round(num_prompts * mix.fraction)
+    long_positions = set(rng.sample(range(num_prompts), num_long))
+    longs: list[SampleRequest] = []
+    for _ in range(num_long):
+        for _attempt in range(10):
+            prompt, prompt_len = _random_prompt(tokenizer, rng, rng.randint(mix.min_len, mix.max_len))
+            if prompt_len >= mix.min_len:
+                break
+        longs.append(SampleRequest(prompt, prompt_len, mix.output_len))
+
+    num_short = num_prompts - num_long
+    if short_records is not None:
+        shorts = sample_sharegpt(
+            tokenizer, num_short, seed, records=short_records, max_total_len=mix.max_total_len
+        )
+    else:
+        mix.check_random_shorts()
+        shorts = sample_random(
+            tokenizer, num_short, mix.short_input_len, mix.short_output_len, seed + 1, range_ratio=0.5
+        )
+    if len(shorts) < num_short:
+        raise ValueError(f"only {len(shorts)} of {num_short} short chats available")
+    long_iter, short_iter = iter(longs), iter(shorts)
+    return [next(long_iter) if i in long_positions else next(short_iter) for i in range(num_prompts)]

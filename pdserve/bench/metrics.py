@@ -31,6 +31,10 @@ class RequestRecord:
     end_time: float = 0.0  # when the stream ended ([DONE] or connection closed)
     output_len: int = 0  # tokens: usage.completion_tokens, or the number of chunks without usage
     usage_reported: bool = False  # whether output_len came from the server's usage chunk
+    output_text: str = ""  # the streamed text, concatenated
+    # output_text re-encoded by the served model's tokenizer when the benchmark has it (None otherwise):
+    # a check on the server's count. Re-encoding can merge or split tokens, so a few mismatches are normal.
+    tokenizer_output_len: int | None = None
     success: bool = False
     error: str = ""
 
@@ -154,6 +158,8 @@ class BenchMetrics:
     num_good: int | None  # requests meeting every SLO target (None without an SLO)
     goodput: float | None  # good requests / s
     slo_attainment: float | None  # percent of all requests (failures count as misses)
+    # completed requests whose output_len differs from the tokenizer's count (None: not counted)
+    output_len_mismatches: int | None = None
 
 
 def compute_metrics(records: list[RequestRecord], duration_s: float, slo: SLO | None = None) -> BenchMetrics:
@@ -162,7 +168,8 @@ def compute_metrics(records: list[RequestRecord], duration_s: float, slo: SLO | 
     TTFT, TPOT, ITL and E2E come from completed requests only. TPOT is per request and only for requests
     with more than one output token; ITL pools every gap of every request. Goodput is the number of
     completed requests that meet every target of `slo` (see `SLO.is_met_by`) divided by `duration_s`;
-    SLO attainment is that number over all requests sent, in percent.
+    SLO attainment is that number over all requests sent, in percent. Output-length mismatches are
+    counted over the completed requests that carry a `tokenizer_output_len`.
     """
     if duration_s <= 0:
         raise ValueError(f"duration_s must be > 0, got {duration_s}")
@@ -176,6 +183,8 @@ def compute_metrics(records: list[RequestRecord], duration_s: float, slo: SLO | 
         num_good = sum(slo.is_met_by(r) for r in done)
         goodput = num_good / duration_s
         attainment = 100.0 * num_good / len(records) if records else 0.0
+    counted = [r for r in done if r.tokenizer_output_len is not None]
+    mismatches = sum(r.tokenizer_output_len != r.output_len for r in counted) if counted else None
     return BenchMetrics(
         num_requests=len(records),
         completed=len(done),
@@ -194,4 +203,5 @@ def compute_metrics(records: list[RequestRecord], duration_s: float, slo: SLO | 
         num_good=num_good,
         goodput=goodput,
         slo_attainment=attainment,
+        output_len_mismatches=mismatches,
     )

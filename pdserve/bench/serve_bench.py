@@ -1,8 +1,12 @@
 """`pdserve bench`: one serving benchmark run against an OpenAI-compatible server.
 
-Builds the workload (ShareGPT or random prompts, token lengths from the tokenizer), asks the server for
-its model name if none is given, replays the workload with `client.run_requests`, prints the summary
+Builds the workload (ShareGPT, random or long-prompt, token lengths from the tokenizer), asks the server
+for its model name if none is given, replays the workload with `client.run_requests`, prints the summary
 table and writes a JSON report holding the configuration, the summary and every per-request record.
+`run_once` is the measured part that `sweep` and `compare` repeat: it also re-counts the streamed output
+with the tokenizer when the served model is pdserve's default (a check on the server's usage) and reads
+the server's prefix-cache hit counter before and after, so a report says whether cached prompts from an
+earlier run helped this one.
 """
 
 from __future__ import annotations
@@ -10,14 +14,30 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import math
+import os
+import re
+from collections.abc import Mapping, Sequence
 from typing import TextIO
 
-from pdserve.bench.client import LoadConfig, fetch_model_name, run_requests
-from pdserve.bench.datasets import DecodingTokenizer, SampleRequest, sample_random, sample_sharegpt
+from pdserve.bench.client import LoadConfig, fetch_model_name, fetch_prefix_cache_hits, run_requests
+from pdserve.bench.datasets import (
+    DecodingTokenizer,
+    LongPromptMix,
+    SampleRequest,
+    Tokenizer,
+    load_sharegpt_records,
+    sample_long_prompt,
+    sample_random,
+    sample_sharegpt,
+)
 from pdserve.bench.metrics import SLO, BenchMetrics, Distribution, RequestRecord, compute_metrics
+from pdserve.errors import PdserveError
 
-DATASETS = ("sharegpt", "random")
+logger = logging.getLogger(__name__)
+
+DATASETS = ("sharegpt", "random", "long-prompt")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -25,6 +45,39 @@ class BenchResult:
     metrics: BenchMetrics
     records: list[RequestRecord]
     model: str
+    # Prompt tokens the server found in its prefix cache during the run (None: the server does not say).
+    prefix_cache_hit_tokens: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Workload:
+    """What to send: the dataset and its knobs. The same workload is replayed by every run of a sweep or
+    comparison."""
+
+    dataset: str = "sharegpt"
+    num_prompts: int = 200
+    seed: int = 0
+    random_input_len: int = 1024
+    random_output_len: int = 128
+    long_prompt: LongPromptMix = LongPromptMix()
+
+    def __post_init__(self) -> None:
+        if self.dataset not in DATASETS:
+            raise ValueError(f"unknown dataset {self.dataset!r}: expected one of {', '.join(DATASETS)}")
+
+    def samples(self, tokenizer: DecodingTokenizer) -> list[SampleRequest]:
+        samples = load_samples(
+            tokenizer,
+            self.dataset,
+            self.num_prompts,
+            self.seed,
+            self.random_input_len,
+            self.random_output_len,
+            long_prompt=self.long_prompt,
+        )
+        if not samples:
+            raise ValueError("the workload is empty")
+        return samples
 
 
 def load_samples(
@@ -34,11 +87,20 @@ def load_samples(
     seed: int,
     random_input_len: int = 1024,
     random_output_len: int = 128,
+    *,
+    long_prompt: LongPromptMix = LongPromptMix(),
 ) -> list[SampleRequest]:
     if dataset == "sharegpt":
         return sample_sharegpt(tokenizer, num_prompts, seed)
     if dataset == "random":
         return sample_random(tokenizer, num_prompts, random_input_len, random_output_len, seed)
+    if dataset == "long-prompt":
+        try:
+            records: list[dict] | None = load_sharegpt_records()
+        except FileNotFoundError:
+            logger.info("ShareGPT is not installed: the short chats are random prompts")
+            records = None
+        return sample_long_prompt(tokenizer, num_prompts, seed, long_prompt, short_records=records)
     raise ValueError(f"unknown dataset {dataset!r}: expected one of {', '.join(DATASETS)}")
 
 
@@ -48,6 +110,50 @@ def default_tokenizer() -> DecodingTokenizer:
     from pdserve.model.tokenizer import load_tokenizer
 
     return load_tokenizer(default_model_path())
+
+
+def default_model_name() -> str:
+    """The name `pdserve serve` gives the bundled model when no --served-model-name is set."""
+    from pdserve.model.loader import default_model_path
+
+    return os.path.basename(default_model_path()).removesuffix(".gguf")
+
+
+def output_tokenizer(
+    model: str, tokenizer: DecodingTokenizer, count_outputs: bool | None
+) -> Tokenizer | None:
+    """The tokenizer to re-count outputs with: `tokenizer` if `count_outputs`, or when it is None (auto)
+    and the served model is pdserve's default (whose tokenizer the workload was built with)."""
+    if count_outputs is None:
+        try:
+            count_outputs = model == default_model_name()
+        except PdserveError:  # no bundled model: nothing to compare against
+            count_outputs = False
+    return tokenizer if count_outputs else None
+
+
+def run_once(
+    load: LoadConfig,
+    samples: Sequence[SampleRequest],
+    slo: SLO | None = None,
+    count_tokenizer: Tokenizer | None = None,
+    show_progress: bool = True,
+) -> BenchResult:
+    """Replay `samples` once as `load` says and summarize the run."""
+
+    async def measure() -> tuple[list[RequestRecord], float, int | None]:
+        hits_before = await fetch_prefix_cache_hits(load.base_url)
+        records, duration = await run_requests(load, samples, show_progress)
+        hits_after = await fetch_prefix_cache_hits(load.base_url)
+        hits = None if hits_before is None or hits_after is None else hits_after - hits_before
+        return records, duration, hits
+
+    records, duration, hits = asyncio.run(measure())
+    if count_tokenizer is not None:
+        for rec in records:
+            if rec.success:
+                rec.tokenizer_output_len = len(count_tokenizer.encode(rec.output_text))
+    return BenchResult(compute_metrics(records, duration, slo), records, load.model, hits)
 
 
 def run_bench(
@@ -65,25 +171,29 @@ def run_bench(
     endpoint: str = "completions",
     random_input_len: int = 1024,
     random_output_len: int = 128,
+    long_prompt: LongPromptMix = LongPromptMix(),
     tokenizer: DecodingTokenizer | None = None,
+    count_outputs: bool | None = None,
+    plot_dir: str | None = None,
+    trace: str | None = None,
     show_progress: bool = True,
     stdout: TextIO | None = None,
 ) -> BenchResult:
-    """Run one benchmark; print the table to `stdout` (default: sys.stdout) and write JSON to `out`."""
-    samples = load_samples(
-        tokenizer or default_tokenizer(), dataset, num_prompts, seed, random_input_len, random_output_len
-    )
-    if not samples:
-        raise ValueError("the workload is empty")
+    """Run one benchmark; print the table to `stdout` (default: sys.stdout), write JSON to `out`, plots to
+    `plot_dir` and a Perfetto trace to `trace`. `count_outputs`: re-count outputs with `tokenizer` (None:
+    only when the served model is pdserve's default)."""
+    tokenizer = tokenizer or default_tokenizer()
+    workload = Workload(dataset, num_prompts, seed, random_input_len, random_output_len, long_prompt)
+    samples = workload.samples(tokenizer)
     if model is None:
         model = asyncio.run(fetch_model_name(base_url))
     load = LoadConfig(base_url, model, endpoint, request_rate, burstiness, max_concurrency, seed)
-    records, duration = asyncio.run(run_requests(load, samples, show_progress))
-    metrics = compute_metrics(records, duration, slo)
-    print(format_table(metrics, load), file=stdout)
+    result = run_once(load, samples, slo, output_tokenizer(model, tokenizer, count_outputs), show_progress)
+    print(format_table(result.metrics, load), file=stdout)
     if out is not None:
-        write_report(out, metrics, records, load, dataset)
-    return BenchResult(metrics, records, model)
+        write_report(out, result.metrics, result.records, load, dataset, workload=workload, result=result)
+    write_artifacts({"bench": result.records}, plot_dir, trace)
+    return result
 
 
 def format_table(m: BenchMetrics, load: LoadConfig) -> str:
@@ -99,7 +209,7 @@ def format_table(m: BenchMetrics, load: LoadConfig) -> str:
     lines = [
         " Serving Benchmark Result ".center(width, "="),
         row("Model:", load.model),
-        row("Request rate (req/s):", "inf" if math.isinf(load.request_rate) else f"{load.request_rate:g}"),
+        row("Request rate (req/s):", rate_text(load.request_rate)),
         row("Burstiness:", f"{load.burstiness:g}"),
         row("Max concurrency:", load.max_concurrency or "none"),
         row("Successful requests:", m.completed),
@@ -111,14 +221,11 @@ def format_table(m: BenchMetrics, load: LoadConfig) -> str:
         row("Output token throughput (tok/s):", m.output_throughput),
         row("Total token throughput (tok/s):", m.total_token_throughput),
     ]
+    if m.output_len_mismatches is not None:
+        lines.append(row("Output tokens != tokenizer count:", m.output_len_mismatches))
     if m.slo is not None:
-        targets = ", ".join(
-            f"{k}<={v:g} ms"
-            for k, v in (("ttft", m.slo.ttft_ms), ("tpot", m.slo.tpot_ms), ("itl", m.slo.itl_ms))
-            if v is not None
-        )
         lines += [
-            row("SLO:", targets),
+            row("SLO:", slo_text(m.slo)),
             row("Requests meeting the SLO:", m.num_good),
             row("Request goodput (req/s):", m.goodput),
             row("SLO attainment (%):", m.slo_attainment),
@@ -141,17 +248,106 @@ def format_table(m: BenchMetrics, load: LoadConfig) -> str:
     return "\n".join(lines)
 
 
-def write_report(
-    path: str, metrics: BenchMetrics, records: list[RequestRecord], load: LoadConfig, dataset: str
-) -> None:
+def rate_text(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def rate_json(rate: float) -> float | str:
+    """JSON has no infinity; keep the file readable by strict parsers."""
+    return "inf" if math.isinf(rate) else rate
+
+
+def slo_text(slo: SLO) -> str:
+    return ", ".join(
+        f"{k}<={v:g} ms"
+        for k, v in (("ttft", slo.ttft_ms), ("tpot", slo.tpot_ms), ("itl", slo.itl_ms))
+        if v is not None
+    )
+
+
+def format_grid(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A plain text table: the first column left-aligned, the others right-aligned."""
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: Sequence[str]) -> str:
+        first, *rest = cells
+        return "  ".join([f"{first:<{widths[0]}}", *(f"{c:>{w}}" for c, w in zip(rest, widths[1:]))])
+
+    rule = "-" * len(line(header))
+    return "\n".join([line(header), rule, *(line(r) for r in rows)])
+
+
+def num_text(value: float | int | None, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    return str(value) if isinstance(value, int) else f"{value:.{digits}f}"
+
+
+def load_json(load: LoadConfig) -> dict:
     config = dataclasses.asdict(load)
-    # JSON has no infinity; keep the file readable by strict parsers.
-    config["request_rate"] = "inf" if math.isinf(load.request_rate) else load.request_rate
-    config["dataset"] = dataset
-    report = {
-        "config": config,
-        "metrics": dataclasses.asdict(metrics),
-        "records": [dataclasses.asdict(r) for r in records],
+    config["request_rate"] = rate_json(load.request_rate)
+    return config
+
+
+def result_json(result: BenchResult) -> dict:
+    return {
+        "model": result.model,
+        "prefix_cache_hit_tokens": result.prefix_cache_hit_tokens,
+        "metrics": dataclasses.asdict(result.metrics),
+        "records": [dataclasses.asdict(r) for r in result.records],
     }
+
+
+def write_report(
+    path: str,
+    metrics: BenchMetrics,
+    records: list[RequestRecord],
+    load: LoadConfig,
+    dataset: str,
+    *,
+    workload: Workload | None = None,
+    result: BenchResult | None = None,
+) -> None:
+    config = load_json(load)
+    config["dataset"] = dataset
+    if workload is not None:
+        config["workload"] = dataclasses.asdict(workload)
+    report: dict = {"config": config}
+    if result is not None:
+        # One run against a server someone else started: whether it was fresh is unknown; the hit count
+        # says whether prompts cached before this run helped it.
+        report["server"] = {"state": "as given", "prefix_cache_hit_tokens": result.prefix_cache_hit_tokens}
+    report["metrics"] = dataclasses.asdict(metrics)
+    report["records"] = [dataclasses.asdict(r) for r in records]
+    write_json(path, report)
+
+
+def write_json(path: str, report: dict) -> None:
+    parent = os.path.dirname(path)
+    if parent:
+        os.makedirs(parent, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
+
+
+def write_artifacts(
+    runs: Mapping[str, Sequence[RequestRecord]], plot_dir: str | None, trace: str | None
+) -> list[str]:
+    """Per-run plots (TTFT/ITL CDFs with one line per run, one timeline per run) into `plot_dir` and one
+    Perfetto trace with a process per run into `trace`; returns the paths written."""
+    written: list[str] = []
+    if plot_dir is not None:
+        from pdserve.bench import plots
+
+        os.makedirs(plot_dir, exist_ok=True)
+        written.append(plots.plot_cdfs(runs, os.path.join(plot_dir, "cdf.png")))
+        for label, records in runs.items():
+            name = re.sub(r"[^A-Za-z0-9_.-]+", "_", label)
+            written.append(
+                plots.plot_timeline(records, os.path.join(plot_dir, f"timeline-{name}.png"), title=label)
+            )
+    if trace is not None:
+        from pdserve.bench.trace import write_trace
+
+        written.append(write_trace(runs, trace))
+    return written

@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 
 from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.errors import InvalidRequestError
+from pdserve.errors import InvalidRequestError, SLORejectedError
 from pdserve.outputs import RequestOutput
 from pdserve.request import SamplingParams
 
@@ -84,7 +84,7 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params):
                 ids.append(engine.add_request(prompt, p))
-        except InvalidRequestError:
+        except (InvalidRequestError, SLORejectedError):
             for req_id in ids:
                 engine.abort_request(req_id)
             raise

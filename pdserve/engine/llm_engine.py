@@ -4,6 +4,10 @@ The engine owns the components and their wiring; every state change of a request
 scheduler. Text concerns (detokenization, stop strings) live in `OutputProcessor` beside the loop.
 Each step's shape and duration are recorded (`step_records`) for metrics and to calibrate the
 simulator's cost model.
+
+With a KV transport (disaggregation), each step first applies what the transport delivered (KV written
+into reserved blocks, transfers acknowledged or expired), then reserves blocks for new remote-prefill
+requests, and hands the forward a hook that sends each layer's fresh K/V of remote-decode requests.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 
 from pdserve.attention.base import AttentionBackend, get_attention_backend
 from pdserve.config import EngineConfig, ModelConfig
+from pdserve.disagg.connector import KVConnector, RemoteDecode, RemotePrefill
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.errors import InvalidRequestError
 from pdserve.kv.block_manager import BlockManager
@@ -28,6 +33,8 @@ from pdserve.outputs import RequestOutput
 from pdserve.request import FinishReason, Request, SamplingParams
 from pdserve.runner.model_runner import ModelRunner
 from pdserve.scheduler import Scheduler, make_policy
+from pdserve.transfer.base import KVLayout, KVTransport, TransferError
+from pdserve.transfer.registry import transport_class
 
 logger = logging.getLogger(__name__)
 
@@ -68,9 +75,11 @@ class LLMEngine:
         model_config: ModelConfig | None = None,
         weights: dict[str, torch.Tensor] | None = None,
         tokenizer: object | None = None,
+        kv_transport: KVTransport | None = None,
     ) -> None:
         """Load the model named by `config.model`, or use `model_config` + `weights` (tests) with an
-        optional tokenizer (without one, prompts must be token ids and outputs carry no text)."""
+        optional tokenizer (without one, prompts must be token ids and outputs carry no text).
+        `kv_transport`: a ready transport (inproc tests); otherwise `config.kv_transfer.backend` makes one."""
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -117,6 +126,10 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         self.outputs = OutputProcessor(tokenizer)
         self.step_records: deque[StepRecord] = deque(maxlen=10_000)
+        self.role = config.kv_transfer.role
+        self.connector = self._make_connector(kv_transport)
+        self.kv_reservations: list[tuple[str, int]] = []  # (req_id, tokens it holds already) since last taken
+        self._remote_prefill: dict[str, RemotePrefill] = {}  # waiting for their blocks to be reserved
         self._ids = itertools.count()
         logger.info(
             "engine ready in %.1fs: %s, %s on %s, %d KV blocks x %d tokens (%.2f GiB), policy %s, attention %s",
@@ -136,6 +149,30 @@ class LLMEngine:
                 logger.warning("C++ paged decode kernel unavailable (%s); using torch-compiled", e)
         return get_attention_backend("torch-compiled")
 
+    def _make_connector(self, transport: KVTransport | None) -> KVConnector | None:
+        kc = self.config.kv_transfer
+        if transport is None and kc.backend is None:
+            return None
+        if transport is None:
+            layout = KVLayout(
+                self.model_config.num_layers, self.model_config.num_kv_heads, self.model_config.head_dim, self.dtype
+            )
+            cls = transport_class(kc.backend)  # type: ignore[arg-type]
+            if kc.backend == "tcp":
+                transport = cls(layout, host=kc.host, port=kc.port)  # type: ignore[call-arg]
+            elif kc.backend == "shm":
+                transport = cls(layout, verify=kc.verify)  # type: ignore[call-arg]
+            else:
+                raise ValueError(f"the {kc.backend!r} KV backend needs a transport passed to the engine")
+        logger.info("KV transfer: role %s, backend %s at %s", kc.role, transport.name, transport.address)
+        return KVConnector(transport, self.kv_cache, kc.ack_timeout_s, kc.lease_s)
+
+    def close(self) -> None:
+        """Release the KV transport (sockets, shared buffers)."""
+        if self.connector is not None:
+            self.connector.close()
+            self.connector = None
+
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
         self,
@@ -143,10 +180,14 @@ class LLMEngine:
         params: SamplingParams | None = None,
         req_id: str | None = None,
         arrival_time: float | None = None,
+        kv_transfer: RemoteDecode | RemotePrefill | None = None,
     ) -> str:
-        """Validate and queue a request; raises InvalidRequestError and allocates nothing when it is bad."""
+        """Validate and queue a request; raises InvalidRequestError and allocates nothing when it is bad.
+        `kv_transfer`: compute only the prompt and first token here and send the KV (RemoteDecode), or
+        receive them from a prefill instance and decode here (RemotePrefill)."""
         params = params or SamplingParams()
         params.validate()
+        self._check_transfer(kv_transfer)
         if req_id is None:
             req_id = f"req-{next(self._ids)}"
         if req_id in self.scheduler.requests:
@@ -169,9 +210,30 @@ class LLMEngine:
         )
         if arrival_time is not None:
             req.arrival_time = arrival_time
+        self.scheduler.check_admission(req)  # SLORejectedError under `slo` with `slo_reject`
+        if isinstance(kv_transfer, RemoteDecode):
+            req.remote_decode = True
+            assert self.connector is not None
+            try:
+                self.connector.start_send(req, kv_transfer)
+            except TransferError as e:
+                raise InvalidRequestError(f"cannot send this request's KV: {e}") from None
+        elif isinstance(kv_transfer, RemotePrefill):
+            req.remote_prefill = True
+            self._remote_prefill[req.req_id] = kv_transfer
         self.outputs.add(req, prompt_text)
         self.scheduler.add_request(req)
         return req_id
+
+    def _check_transfer(self, kv_transfer: RemoteDecode | RemotePrefill | None) -> None:
+        if kv_transfer is None:
+            return
+        if self.connector is None:
+            raise InvalidRequestError("this instance has no KV transfer backend (start it with one)")
+        if isinstance(kv_transfer, RemoteDecode) and self.role == "decode":
+            raise InvalidRequestError("a decode instance does not run prompts for other instances")
+        if isinstance(kv_transfer, RemotePrefill) and self.role == "prefill":
+            raise InvalidRequestError("a prefill instance does not decode prompts computed elsewhere")
 
     def validate_prompt(self, token_ids: Sequence[int]) -> None:
         if not token_ids:
@@ -189,8 +251,20 @@ class LLMEngine:
         req = self.scheduler.finish_request(req_id, FinishReason.ABORT)
         if req is None:
             return None
-        self.runner.release(req_id)
+        self._release(req_id)
         return self.outputs.finish(req)
+
+    def _release(self, req_id: str) -> None:
+        self.runner.release(req_id)
+        self._remote_prefill.pop(req_id, None)
+        if self.connector is not None:
+            self.connector.cancel(req_id)
+
+    def take_kv_reservations(self) -> list[tuple[str, int]]:
+        """Remote-prefill requests whose blocks were reserved since the last call, with the number of
+        prompt tokens this instance already holds (the prefill side skips sending those)."""
+        taken, self.kv_reservations = self.kv_reservations, []
+        return taken
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -198,12 +272,16 @@ class LLMEngine:
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         start = time.monotonic()
+        transferred = self._poll_transfers() if self.connector is not None else []
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
+            return transferred
         sampling = [s.req for s in sched.scheduled if s.samples]
+        hook = None
+        if self.connector is not None:
+            hook = self.connector.layer_hook([(s.req, s.num_new_tokens) for s in sched.scheduled])
         try:
-            out = self.runner.execute(sched)
+            out = self.runner.execute(sched, hook)
         except Exception as e:  # a failed step fails its requests, never the engine
             logger.exception("step failed; finishing its %d requests with an error", len(sched.scheduled))
             return self._fail([s.req for s in sched.scheduled], f"engine step failed: {e}")
@@ -217,10 +295,16 @@ class LLMEngine:
             if req.first_token_time is None:
                 req.first_token_time = now
         updated = self.scheduler.update_from_output(sched, out.token_ids)
+        if self.connector is not None:
+            lost = [r for r in updated if r.remote_decode and not self.connector.finish_send(r)]
+            if lost:  # their transfer failed during this step
+                updated = [r for r in updated if r not in lost]
+                transferred += self._fail(lost, "the KV transfer to the decode instance failed")
         results = self.outputs.process(updated, self.scheduler)
         for r in results:
             if r.finished:
-                self.runner.release(r.request_id)
+                self._release(r.request_id)
+        results = transferred + results
         self.step_records.append(
             StepRecord(
                 start=start,
@@ -232,6 +316,10 @@ class LLMEngine:
                 num_context_tokens=sum(s.req.num_computed_tokens for s in sched.scheduled),
             )
         )
+        rec = self.step_records[-1]  # what the `slo` policy's step-time model learns from
+        self.scheduler.observe_step(
+            rec.duration, rec.num_prefill_tokens, rec.num_decode_tokens, rec.num_context_tokens
+        )
         return results
 
     def _fail(self, reqs: list[Request], message: str) -> list[RequestOutput]:
@@ -239,6 +327,44 @@ class LLMEngine:
         for req in reqs:
             self.scheduler.finish_request(req.req_id, FinishReason.ERROR)
             req.error = message
-            self.runner.release(req.req_id)
+            self._release(req.req_id)
             results.append(self.outputs.finish(req))
+        return results
+
+    def _poll_transfers(self) -> list[RequestOutput]:
+        """Apply the transport's news: finished sends free their blocks, complete receives start decoding,
+        failures fail their request; then reserve blocks for new remote-prefill requests."""
+        connector = self.connector
+        assert connector is not None
+        ev = connector.poll()
+        results: list[RequestOutput] = []
+        for req, ok, error in ev.sent:
+            if self.scheduler.finish_sending(req.req_id, None if ok else error) is not None:
+                results.append(self.outputs.finish(req))
+            elif not ok and not req.is_finished:  # failed while its prompt was still being computed
+                results.extend(self._fail([req], error or "the KV transfer failed"))
+        for req, error in ev.failed_receives:
+            results.extend(self._fail([req], error))
+        now = time.monotonic()
+        received = []
+        for req, done in ev.received:
+            if self.scheduler.kv_received(req.req_id, done.first_token) is None:
+                continue
+            req.first_token_time = now
+            if req.params.logprobs is not None and done.logprobs is not None:
+                req.logprobs = [done.logprobs]
+            self.runner.skip_draws(req, 1)
+            received.append(req)
+        results.extend(self.outputs.process(received, self.scheduler))
+        for req in self.scheduler.reserve():
+            spec = self._remote_prefill.pop(req.req_id)
+            try:
+                connector.start_receive(req, spec)
+            except (TransferError, OSError) as e:
+                results.extend(self._fail([req], f"cannot receive this request's KV: {e}"))
+                continue
+            self.kv_reservations.append((req.req_id, req.num_computed_tokens))
+        for r in results:
+            if r.finished:
+                self._release(r.request_id)
         return results

@@ -8,6 +8,8 @@ decode step. Logits are computed only for the rows that sample.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -107,11 +109,15 @@ class LlamaModel(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer [blocks, block_size, kv_heads, head_dim]
         meta: AttentionMetadata,
         attn: AttentionBackend,
+        after_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
+        """`after_layer(i)` runs once layer i has written its K/V (disaggregation sends them from there)."""
         x = F.embedding(input_ids, self.embed)
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             x = layer(x, cos, sin, k_cache, v_cache, meta, attn)
+            if after_layer is not None:
+                after_layer(i)
         return x
 
     def prepack_for_cpu(self) -> bool:

@@ -9,6 +9,7 @@ for the last token of each request that samples this step.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,7 @@ import torch
 from pdserve.attention.base import AttentionBackend, AttentionMetadata, DecodeGroup, PrefillSeq
 from pdserve.kv.cache import KVCache
 from pdserve.model.llama import LlamaModel
+from pdserve.request import Request
 from pdserve.runner.sampler import Sampler, SamplingMetadata
 from pdserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -46,13 +48,25 @@ class ModelRunner:
         """Forget per-request state (called when a request finishes)."""
         self._generators.pop(req_id, None)
 
+    def skip_draws(self, req: Request, num_draws: int) -> None:
+        """Advance a seeded request's generator past draws made elsewhere (its first token, sampled by a
+        prefill instance), so its later tokens equal those of a colocated run."""
+        p = req.params
+        if p.seed is None or p.is_greedy:
+            return
+        g = self._generators.get(req.req_id)
+        if g is None:
+            g = self._generators[req.req_id] = torch.Generator(device=self.device).manual_seed(p.seed)
+        torch.rand(num_draws, device=self.device, generator=g)
+
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> ModelOutput:
+    def execute(self, out: SchedulerOutput, after_layer: Callable[[int], None] | None = None) -> ModelOutput:
+        """Run one step. `after_layer(i)` is called once layer i's K/V are in the cache."""
         t0 = time.perf_counter()
         # Decodes first, by context length (so similar lengths share a padded attention group).
         scheduled = sorted(out.scheduled, key=_layout_key)
         input_ids, positions, meta, last_index = self._prepare(scheduled)
-        hidden = self.model(input_ids, positions, self.kv_cache.layers, meta, self.attn)
+        hidden = self.model(input_ids, positions, self.kv_cache.layers, meta, self.attn, after_layer)
 
         # Sampling rows in scheduler order, so the scheduler can zip them with its own list.
         flat_pos = {id(s): last_index[j] for j, s in enumerate(scheduled)}

@@ -1,4 +1,15 @@
-from pdserve.scheduler.policies import POLICIES, Policy, StepPlan, make_policy
+from pdserve.scheduler.policies import POLICIES, Policy, SLOAware, StepPlan, make_policy
 from pdserve.scheduler.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from pdserve.scheduler.step_model import StepTimeModel
 
-__all__ = ["POLICIES", "Policy", "ScheduledRequest", "Scheduler", "SchedulerOutput", "StepPlan", "make_policy"]
+__all__ = [
+    "POLICIES",
+    "Policy",
+    "SLOAware",
+    "ScheduledRequest",
+    "Scheduler",
+    "SchedulerOutput",
+    "StepPlan",
+    "StepTimeModel",
+    "make_policy",
+]

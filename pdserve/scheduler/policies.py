@@ -4,16 +4,25 @@ whether new requests are admitted; the budget arithmetic itself lives only in `S
 A policy returns a `StepPlan` from the queue state. Later policies (SLO-aware budgets) add fields here,
 not branches in the scheduler. `Scheduler.schedule()` calls `plan()` exactly once per step, so a policy
 may keep per-step counters on its instance (never in module globals: two engines must not share them).
+
+Optional hooks, which the scheduler calls when a policy has them (only `slo` does):
+`observe_step(duration, num_prefill_tokens, num_decode_seqs, num_context_tokens)` after every executed
+step, `admission_error(req, running, waiting) -> str | None` before a new request is queued, and a
+`step_model` attribute (`StepTimeModel`) whose state the server exports.
 """
 
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from collections.abc import Callable, Sequence
+from itertools import chain
 from typing import Protocol
 
 from pdserve.config import SchedulerConfig
 from pdserve.request import Request
+from pdserve.scheduler.step_model import DEFAULT_PRIOR, StepTimeModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +33,11 @@ class StepPlan:
     whole_prompts: bool  # admit a prompt only if all of it fits this step's remaining budget
     token_budget: int | None = None  # override of max_num_batched_tokens for this step
     run_prefills: bool = True  # running requests still in their prompt (or recomputing) get a chunk
+    # Every running decode is offered the budget first; then prompt work (running chunks and admissions
+    # together) gets at most this many tokens. None: no separate limit, running requests in list order.
+    max_prefill_tokens: int | None = None
+    # The whole waiting queue in the order to admit from (the scheduler adopts it); None: as queued.
+    admit_order: tuple[Request, ...] | None = None
 
 
 class Policy(Protocol):
@@ -107,10 +121,134 @@ class DecodePriority:
         return [decode_only, chunked]
 
 
+class SLOAware:
+    """Chunked with a budget sized against latency targets. Each step every running decode goes first;
+    then prompts get as many tokens as the step-time model (`step_model.py`, fitted online from the
+    engine's measured steps) says fit before the step reaches `slo_itl_ms`, but never fewer than
+    `slo_min_chunk`, so prompts always progress even when the decodes alone take longer than the target.
+    Waiting prompts are admitted earliest deadline first (deadline: arrival + `slo_ttft_ms`; with one
+    target for all requests that is arrival order, which differs from the queue's order after preemptions
+    and for requests queued with their own arrival times).
+
+    Each step it also predicts when every prompt not yet past its first token will finish, from the prompt
+    tokens ahead of it in that order, the step's prompt budget and predicted step time (prefix-cache hits
+    and the decodes that finishing prompts add are not foreseen), and counts a request in
+    `num_ttft_violations_predicted` the first time the prediction passes its deadline. With `slo_reject`,
+    `admission_error` refuses a new request whose own predicted TTFT passes the target, or with which the
+    decode step of all accepted requests (up to `max_num_seqs` at once) would take longer than the ITL
+    target. An idle engine accepts anything: a target out of this machine's reach must not refuse all."""
+
+    name = "slo"
+
+    def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttft = config.slo_ttft_ms / 1e3
+        self.itl = config.slo_itl_ms / 1e3
+        self.min_chunk = config.slo_min_chunk
+        self.reject = config.slo_reject
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.step_model = StepTimeModel(config.slo_step_model_prior or DEFAULT_PRIOR)
+        self.clock = clock  # time.monotonic, the clock of `Request.arrival_time`
+        self.num_ttft_violations_predicted = 0
+        self.num_rejected = 0
+        self._late: set[str] = set()  # req_ids predicted to miss their TTFT, until their first token
+
+    def observe_step(
+        self, duration: float, num_prefill_tokens: int, num_decode_seqs: int, num_context_tokens: int
+    ) -> None:
+        self.step_model.observe(duration, num_prefill_tokens, num_decode_seqs, num_context_tokens)
+
+    def prefill_budget(self, running: Iterable[Request]) -> tuple[int, float, int]:
+        """(prompt tokens for this step, predicted step time with all of them, prompt tokens that running
+        requests still have to compute). The step's context is that of every running request: decodes
+        read theirs plus the new token, running prompts theirs plus their chunk."""
+        num_decodes = context = prompt_left = 0
+        for req in running:
+            if req.is_decode:
+                num_decodes += 1
+                context += req.num_computed_tokens + 1
+            else:
+                context += req.num_computed_tokens
+                prompt_left += req.num_tokens - req.num_computed_tokens
+        a, b, c, d = self.step_model.coefficients
+        fixed = a + c * num_decodes + d * context
+        per_token = b + d  # a prompt token also adds itself to the context
+        room = self.itl - fixed
+        if room <= 0:
+            fit = 0
+        elif room >= per_token * self.max_num_batched_tokens:
+            fit = self.max_num_batched_tokens
+        else:
+            fit = math.floor(room / per_token)
+        budget = min(max(self.min_chunk, fit), self.max_num_batched_tokens)
+        return budget, fixed + per_token * budget, prompt_left
+
+    def plan(self, running: Sequence[Request], waiting: Sequence[Request]) -> list[StepPlan]:
+        budget, step_time, _ = self.prefill_budget(running)
+        order = tuple(sorted(waiting, key=_arrival))  # earliest deadline first (stable on ties)
+        self._count_late(chain((r for r in running if not r.is_decode), order), budget, step_time)
+        plan = StepPlan(
+            running_first=True, run_decodes=True, admit=True, whole_prompts=False,
+            max_prefill_tokens=budget, admit_order=order,
+        )
+        return [plan]
+
+    def _count_late(self, prompts: Iterable[Request], budget: int, step_time: float) -> None:
+        """`prompts`: in the order they will be served; each finishes once the prompt tokens up to and
+        including its own have run at `budget` per step."""
+        now = self.clock()
+        late: set[str] = set()
+        ahead = 0
+        for req in prompts:
+            ahead += req.num_tokens - req.num_computed_tokens
+            if req.num_output_tokens:  # recomputing after a preemption: its first token came already
+                continue
+            if req.req_id in self._late:
+                late.add(req.req_id)
+            elif now + math.ceil(ahead / budget) * step_time > req.arrival_time + self.ttft:
+                late.add(req.req_id)
+                self.num_ttft_violations_predicted += 1
+        self._late = late  # rebuilt each step: requests past their first token, or gone, drop out
+
+    def admission_error(
+        self, req: Request, running: Sequence[Request], waiting: Sequence[Request]
+    ) -> str | None:
+        """Why `req` should be refused (with `slo_reject`), or None to accept it."""
+        if not self.reject or not (running or waiting):
+            return None
+        budget, step_time, prompt_left = self.prefill_budget(running)
+        ahead = prompt_left + req.num_tokens
+        ahead += sum(r.num_tokens for r in waiting if r.arrival_time <= req.arrival_time)  # nothing computed
+        ttft = self.clock() + math.ceil(ahead / budget) * step_time - req.arrival_time
+        if ttft > self.ttft:
+            self.num_rejected += 1
+            return (
+                f"the server cannot meet its time-to-first-token target now: predicted {ttft * 1e3:.0f} ms "
+                f"(target {self.ttft * 1e3:.0f} ms, {ahead} prompt tokens queued); retry later"
+            )
+        num_accepted = len(running) + len(waiting) + 1
+        context = sum(r.num_tokens for r in running) + sum(r.num_tokens for r in waiting) + req.num_tokens
+        num_decodes = min(num_accepted, self.max_num_seqs)
+        decode_time = self.step_model.predict(0, num_decodes, context * num_decodes / num_accepted)
+        if decode_time > self.itl:
+            self.num_rejected += 1
+            return (
+                f"the server cannot meet its inter-token latency target now: a decode step of "
+                f"{num_decodes} requests is predicted to take {decode_time * 1e3:.0f} ms "
+                f"(target {self.itl * 1e3:.0f} ms); retry later"
+            )
+        return None
+
+
+def _arrival(req: Request) -> float:
+    return req.arrival_time
+
+
 POLICIES: dict[str, Callable[[SchedulerConfig], Policy]] = {
     PrefillFirst.name: lambda config: PrefillFirst(),
     Chunked.name: lambda config: Chunked(),
     DecodePriority.name: DecodePriority,
+    SLOAware.name: SLOAware,
 }
 
 

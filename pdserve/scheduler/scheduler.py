@@ -10,19 +10,26 @@ running -> `update_from_output` appends sampled tokens and checks token-level st
 freed). When blocks run out, the most recently admitted running request is preempted: its blocks are
 freed and it goes back to the front of the queue to be recomputed (its full blocks usually survive in the
 prefix cache, so recomputation is cheap).
+
+Disaggregation adds two waiting rooms outside `running`, both holding blocks: `sending` (a prefill
+instance computed the prompt and first token; the KV is on its way to a decode instance) and `receiving`
+(a decode instance reserved blocks for a prompt computed elsewhere; the KV is on its way here). The
+engine reports how each transfer ends (`finish_sending`, `kv_received`, `finish_request`).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
 
 from pdserve.config import SchedulerConfig
+from pdserve.errors import SLORejectedError
 from pdserve.kv.block_manager import BlockManager
 from pdserve.request import FinishReason, Request, RequestStatus
 from pdserve.scheduler.policies import Policy, StepPlan
+from pdserve.scheduler.step_model import StepTimeModel
 
 
 
@@ -59,13 +66,30 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.sending: dict[str, Request] = {}  # prefilled here, blocks held until the KV transfer ends
+        self.receiving: dict[str, Request] = {}  # blocks reserved, KV and first token on their way here
+        self.to_reserve: deque[Request] = deque()  # remote-prefill requests waiting for blocks to reserve
 
     # ---- queue ---------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         """Queue a validated request (see `LLMEngine.add_request` for validation)."""
-        req.status = RequestStatus.WAITING
         self.requests[req.req_id] = req
-        self.waiting.append(req)
+        if req.remote_prefill:
+            req.status = RequestStatus.WAITING_FOR_KV
+            self.to_reserve.append(req)
+        else:
+            req.status = RequestStatus.WAITING
+            self.waiting.append(req)
+
+    def check_admission(self, req: Request) -> None:
+        """Raise `SLORejectedError` if the policy refuses `req` now (only `slo` with `slo_reject` does);
+        changes nothing. Call before `add_request`."""
+        admission_error = getattr(self.policy, "admission_error", None)
+        if admission_error is None:
+            return
+        reason = admission_error(req, self.running, self.waiting)
+        if reason is not None:
+            raise SLORejectedError(reason)
 
     def finish_request(self, req_id: str, reason: FinishReason, stop_reason: str | int | None = None) -> Request | None:
         """Finish a request wherever it is (abort, stop string, error) and free its blocks."""
@@ -74,13 +98,62 @@ class Scheduler:
             return None
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status is RequestStatus.SENDING_KV:
+            del self.sending[req_id]
+        elif req.status is RequestStatus.WAITING_FOR_KV:
+            if self.receiving.pop(req_id, None) is None:
+                self.to_reserve.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self._finish(req, reason, stop_reason)
         return req
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.sending or self.receiving or self.to_reserve)
+
+    # ---- disaggregation ------------------------------------------------------------------------
+    def reserve(self) -> list[Request]:
+        """Reserve blocks for the whole prompt of requests whose KV comes from a prefill instance, oldest
+        first, while blocks and sequence slots last. Prefix-cache hits count as computed (their KV is not
+        sent). Returns the requests reserved now."""
+        bm = self.block_manager
+        reserved = []
+        while self.to_reserve and len(self.running) + len(self.receiving) < self.config.max_num_seqs:
+            req = self.to_reserve[0]
+            computed = bm.get_computed_blocks(req)
+            if not bm.allocate_slots(req, req.num_prompt_tokens, computed):
+                break
+            self.to_reserve.popleft()
+            req.num_computed_tokens = req.num_cached_tokens = len(computed) * bm.block_size
+            self.receiving[req.req_id] = req
+            reserved.append(req)
+        return reserved
+
+    def kv_received(self, req_id: str, first_token: int) -> Request | None:
+        """Every layer's KV of the prompt and its first token arrived: the request decodes from here on
+        like any other (or finishes at once if that token ends it)."""
+        req = self.receiving.pop(req_id, None)
+        if req is None:
+            return None
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.output_token_ids.append(first_token)
+        self.block_manager.cache_full_blocks(req)
+        reason, stop_reason = self._check_stop(req, first_token)
+        if reason is not None:
+            self._finish(req, reason, stop_reason)
+        else:
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+        return req
+
+    def finish_sending(self, req_id: str, error: str | None = None) -> Request | None:
+        """The KV transfer of a prefilled request ended (error None: delivered); free its blocks."""
+        req = self.sending.pop(req_id, None)
+        if req is None:
+            return None
+        req.error = error
+        self._finish(req, FinishReason.LENGTH if error is None else FinishReason.ERROR)
+        return req
 
     @property
     def num_waiting(self) -> int:
@@ -89,6 +162,19 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    @property
+    def step_model(self) -> StepTimeModel | None:
+        """The policy's step-time model, if it keeps one (`slo`)."""
+        return getattr(self.policy, "step_model", None)
+
+    def observe_step(
+        self, duration: float, num_prefill_tokens: int, num_decode_seqs: int, num_context_tokens: int
+    ) -> None:
+        """One executed step's measured duration (seconds) and shape, for a policy that learns from it."""
+        observe_step = getattr(self.policy, "observe_step", None)
+        if observe_step is not None:
+            observe_step(duration, num_prefill_tokens, num_decode_seqs, num_context_tokens)
 
     # ---- step ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -102,9 +188,14 @@ class Scheduler:
         budget = plan.token_budget if plan.token_budget is not None else self.config.max_num_batched_tokens
         out = SchedulerOutput()
         chunk_cap = self.config.chunk_size or budget
+        if plan.max_prefill_tokens is not None:
+            budget = self._schedule_running(replace(plan, run_prefills=False), budget, chunk_cap, out)
+            budget = min(budget, plan.max_prefill_tokens)
         if plan.running_first:
             budget = self._schedule_running(plan, budget, chunk_cap, out)
         if plan.admit:
+            if plan.admit_order is not None:
+                self._reorder_waiting(plan.admit_order)
             budget = self._admit_waiting(plan, budget, chunk_cap, out)
         if not plan.running_first:
             self._schedule_running(plan, budget, chunk_cap, out)
@@ -180,6 +271,14 @@ class Scheduler:
             budget -= n
         return budget
 
+    def _reorder_waiting(self, order: Sequence[Request]) -> None:
+        """Adopt the policy's order of the queue. Requests preempted since the plan was made are not in it:
+        they stay in front, as always."""
+        listed = {id(r) for r in order}
+        preempted = [r for r in self.waiting if id(r) not in listed]
+        assert len(preempted) + len(order) == len(self.waiting), "admit_order is not the waiting queue"
+        self.waiting = deque(preempted + list(order))
+
     def _add(self, out: SchedulerOutput, req: Request, n: int) -> None:
         out.scheduled.append(ScheduledRequest(req, n))
         out.num_batched_tokens += n
@@ -220,6 +319,11 @@ class Scheduler:
             token = next(tokens)
             req.output_token_ids.append(token)
             updated.append(req)
+            if req.remote_decode:  # the decode instance checks stops; hold the blocks until it has the KV
+                self.running.remove(req)
+                req.status = RequestStatus.SENDING_KV
+                self.sending[req.req_id] = req
+                continue
             reason, stop_reason = self._check_stop(req, token)
             if reason is not None:
                 self.running.remove(req)

@@ -6,7 +6,15 @@ choice. Its deltas come back on one queue and are either streamed as server-sent
 one JSON body. A client that goes away (mid-stream or while waiting for a whole response) has its engine
 requests aborted at once, which frees their KV blocks before the engine's next step.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics.
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /load,
+GET /metrics.
+
+Disaggregation (`--role prefill|decode`, driven by `pdserve router`): a generation request may carry
+`kv_transfer_params`. On a decode instance (`remote_prefill`) the response starts as soon as the engine
+has reserved the prompt's blocks, with the header `x-pdserve-kv-reservation` telling the router where to
+send the KV and how many prompt tokens are already here; its body is the usual stream or JSON. On a
+prefill instance (`remote_decode`) the request computes the prompt and one token, and its response comes
+once the decode instance has acknowledged the KV (an error if the transfer failed).
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.server.config import ServerConfig
 from pdserve.server.engine_client import EngineClient, EngineDeadError, OverloadedError
-from pdserve.server.messages import Ready, RequestDelta
+from pdserve.server.messages import KVTransferParams, Ready, RequestDelta
 from pdserve.server.metrics import ServerMetrics, StatsLogger
 from pdserve.server.protocol import (
     MAX_LOGPROBS,
@@ -211,8 +219,33 @@ class Server:
             param="prompt",
         )
 
+    def kv_transfer_of(self, req: Any, job: _Job) -> KVTransferParams | None:
+        """The request's disaggregation part, checked; None for an ordinary request."""
+        p = req.kv_transfer_params
+        if p is None:
+            return None
+        if self.ready is None or self.ready.kv_backend is None:
+            raise bad_request("this instance has no KV transfer backend (--kv-transfer)", param="kv_transfer_params")
+        if job.num_choices != 1:
+            raise bad_request("kv_transfer_params needs exactly one prompt and n = 1", param="kv_transfer_params")
+        if p.get("remote_prefill") is True and isinstance(p.get("transfer_id"), str):
+            return KVTransferParams(p["transfer_id"], remote_decode=False)
+        d = p.get("remote_decode")
+        if (
+            isinstance(d, dict)
+            and isinstance(d.get("transfer_id"), str)
+            and isinstance(d.get("address"), str)
+            and isinstance(d.get("skip_tokens", 0), int)
+        ):
+            return KVTransferParams(d["transfer_id"], True, d["address"], d.get("skip_tokens", 0))
+        raise bad_request(
+            'kv_transfer_params must be {"remote_prefill": true, "transfer_id": str} or '
+            '{"remote_decode": {"transfer_id": str, "address": str, "skip_tokens": int}}',
+            param="kv_transfer_params",
+        )
+
     # ---- submitting ----------------------------------------------------------------------------
-    def submit(self, job: _Job, params: list[Any]) -> None:
+    def submit(self, job: _Job, params: list[Any], kv_transfer: KVTransferParams | None = None) -> None:
         """Send every engine request of `job` (params: one per prompt, before the per-choice seed)."""
         if job.num_choices > self.config.max_waiting:
             raise bad_request(
@@ -229,7 +262,7 @@ class Server:
                     if p.seed is not None and i:  # choices of one prompt must differ
                         p = replace(p, seed=p.seed + i)
                     req_id = f"{job.http_id}-{index}"
-                    self.client.add_request(req_id, ids, p, job.queue, index)
+                    self.client.add_request(req_id, ids, p, job.queue, index, kv_transfer)
                     job.req_ids.append(req_id)
         except (OverloadedError, EngineDeadError) as e:
             self.client.abort(job.req_ids)
@@ -243,6 +276,10 @@ class Server:
     def error_of(self, d: RequestDelta) -> APIError:
         if d.invalid:
             return bad_request(d.error or "invalid request")
+        if d.rejected:  # the `slo` policy predicts it would miss its targets now
+            self.metrics.rejected.inc()
+            message = d.error or "the server cannot meet its latency targets now"
+            return APIError(503, message, "server_error", None, "slo_rejected")
         if not self.client.is_alive:
             return APIError(
                 503, d.error or "the engine is not available", "server_error", None, "engine_unavailable"
@@ -341,6 +378,24 @@ def build_app(config: ServerConfig) -> FastAPI:
             }
         )
 
+    @app.get("/load")
+    async def load() -> Response:
+        """What a router needs to pick this instance."""
+        s = server.client.stats
+        r = server.ready
+        return _json_response(
+            {
+                "role": r.role if r else "both",
+                "num_running": s.num_running,
+                "num_waiting": s.num_waiting,
+                "kv_cache_usage": s.kv_cache_usage,
+                "num_in_flight": server.client.num_in_flight,
+                "kv_backend": r.kv_backend if r else None,
+                "kv_address": r.kv_address if r else None,
+            },
+            503 if not server.client.is_alive else 200,
+        )
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -380,7 +435,10 @@ def build_app(config: ServerConfig) -> FastAPI:
             bool(req.stream_options and req.stream_options.include_usage),
             req.logprobs,
         )
-        server.submit(job, params)
+        kv = server.kv_transfer_of(req, job)
+        server.submit(job, params, kv)
+        if kv is not None and not kv.remote_decode:
+            return await _after_reservation(server, job, kv, request, chat=False)
         if job.stream:
             return _SSEResponse(_stream(server, job, chat=False), media_type="text/event-stream")
         return await _respond(server, job, request, chat=False)
@@ -417,7 +475,10 @@ def build_app(config: ServerConfig) -> FastAPI:
             bool(req.stream_options and req.stream_options.include_usage),
             num_logprobs,
         )
-        server.submit(job, params)
+        kv = server.kv_transfer_of(req, job)
+        server.submit(job, params, kv)
+        if kv is not None and not kv.remote_decode:
+            return await _after_reservation(server, job, kv, request, chat=True)
         if job.stream:
             return _SSEResponse(_stream(server, job, chat=True), media_type="text/event-stream")
         return await _respond(server, job, request, chat=True)
@@ -501,24 +562,88 @@ async def _respond(server: Server, job: _Job, request: Request, chat: bool) -> R
     choices = [_Choice() for _ in range(job.num_choices)]
 
     def add(index: int, d: RequestDelta) -> None:
-        c = choices[index]
-        c.text.append(d.new_text)
-        c.num_tokens += len(d.new_token_ids)
-        if fmt.logprobs is not None and d.logprobs:
-            c.token_ids.extend(d.new_token_ids)
-            c.logprobs.extend(d.logprobs)
-        if d.finish_reason is not None:
-            c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+        _add_delta(fmt, choices[index], d)
 
     if not await _collect(job, request, server, add):
         return Response(status_code=499)  # nobody is listening any more
+    return _json_response(_whole_body(fmt, job, choices))
+
+
+def _add_delta(fmt: _Format, c: _Choice, d: RequestDelta) -> None:
+    c.text.append(d.new_text)
+    c.num_tokens += len(d.new_token_ids)
+    if fmt.logprobs is not None and d.logprobs:
+        c.token_ids.extend(d.new_token_ids)
+        c.logprobs.extend(d.logprobs)
+    if d.finish_reason is not None:
+        c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+
+
+def _whole_body(fmt: _Format, job: _Job, choices: list[_Choice]) -> dict[str, Any]:
     body = fmt.head(stream=False)
     body["choices"] = [
         {"index": i, **fmt.whole(c), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         for i, c in enumerate(choices)
     ]
     body["usage"] = usage(job.num_prompt_tokens, sum(c.num_tokens for c in choices))
-    return _json_response(body)
+    return body
+
+
+async def _after_reservation(
+    server: Server, job: _Job, kv: KVTransferParams, request: Request, chat: bool
+) -> Response:
+    """A decode instance's answer to a remote-prefill request: headers as soon as its blocks are
+    reserved (the router then starts the prefill), then the usual body."""
+    got = asyncio.ensure_future(job.queue.get())
+    gone = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({got, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not got.done():
+            got.cancel()
+            server.client.abort(job.req_ids)
+    if not got.done() or got.cancelled():
+        return Response(status_code=499)  # the router went away before the blocks were reserved
+    _, d = got.result()
+    if d.finish_reason == "error":
+        raise server.error_of(d)
+    if d.kv_skip_tokens is None or d.finish_reason is not None:  # nothing else comes first
+        server.client.abort(job.req_ids)
+        raise APIError(500, "the engine did not reserve KV blocks for this request", "server_error")
+    r = server.ready
+    assert r is not None
+    reservation = {
+        "transfer_id": kv.transfer_id,
+        "address": r.kv_address,
+        "backend": r.kv_backend,
+        "skip_tokens": d.kv_skip_tokens,
+    }
+    headers = {"x-pdserve-kv-reservation": _json.encode(reservation).decode()}
+    if job.stream:
+        body = _stream(server, job, chat)
+        return _SSEResponse(body, media_type="text/event-stream", headers=headers)
+    return _SSEResponse(_json_when_done(server, job, chat), media_type="application/json", headers=headers)
+
+
+async def _json_when_done(server: Server, job: _Job, chat: bool) -> AsyncIterator[bytes]:
+    """A whole (non-streaming) body sent as a stream, so that headers can go out before it is ready.
+    An error after the headers is the body (status 200 is gone by then)."""
+    fmt = _Format(server, job, chat)
+    choices = [_Choice() for _ in range(job.num_choices)]
+    remaining = job.num_choices
+    try:
+        while remaining:
+            index, d = await job.queue.get()
+            if d.finish_reason == "error":
+                yield _json.encode(server.error_of(d).body())
+                return
+            _add_delta(fmt, choices[index], d)
+            if d.finish_reason is not None:
+                remaining -= 1
+        yield _json.encode(_whole_body(fmt, job, choices))
+    finally:
+        server.client.abort(job.req_ids)
 
 
 async def _stream(server: Server, job: _Job, chat: bool) -> AsyncIterator[bytes]:

@@ -36,6 +36,7 @@ from pdserve.server.messages import (
     CoreMessage,
     EngineOutputs,
     EngineStats,
+    KVTransferParams,
     Ready,
     RequestDelta,
     Shutdown,
@@ -202,13 +203,19 @@ class EngineClient:
             )
 
     def add_request(
-        self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, queue: DeltaQueue, index: int
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        queue: DeltaQueue,
+        index: int,
+        kv_transfer: KVTransferParams | None = None,
     ) -> None:
         """Send a validated request to the core; its deltas will arrive on `queue` tagged with `index`."""
         self.check_capacity(1)
         now = time.monotonic()
         try:
-            self._send(AddRequest(req_id, prompt_token_ids, params, now))
+            self._send(AddRequest(req_id, prompt_token_ids, params, now, kv_transfer))
         except zmq.Again:
             raise OverloadedError("the engine's input queue is full; retry later") from None
         self._requests[req_id] = _Tracked(queue, index, now, len(prompt_token_ids))
@@ -254,6 +261,8 @@ class EngineClient:
     def _on_outputs(self, msg: EngineOutputs) -> None:
         m = self.metrics
         m.observe_engine(msg.stats, msg.step)
+        for tr in msg.transfers:
+            m.observe_transfer(tr)
         now = time.monotonic()
         for d in msg.deltas:
             t = self._requests.get(d.req_id)

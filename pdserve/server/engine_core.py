@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
-from pdserve.errors import InvalidRequestError
+from pdserve.disagg.connector import RemoteDecode, RemotePrefill
+from pdserve.errors import InvalidRequestError, SLORejectedError
+from pdserve.scheduler.policies import SLOAware
 from pdserve.server.config import ServerConfig
 from pdserve.server.messages import (
     AbortRequests,
@@ -28,10 +30,12 @@ from pdserve.server.messages import (
     EngineOutputs,
     EngineStats,
     FrontMessage,
+    KVTransferParams,
     Ready,
     RequestDelta,
     Shutdown,
     StepStats,
+    TransferStats,
 )
 
 if TYPE_CHECKING:
@@ -92,6 +96,14 @@ def build_engine(config: ServerConfig, tokenizer: object | None = None) -> LLMEn
     return LLMEngine(config.engine, model_config=spec.model_config, weights=weights, tokenizer=tokenizer)
 
 
+def _kv_spec(p: KVTransferParams | None) -> RemoteDecode | RemotePrefill | None:
+    if p is None:
+        return None
+    if p.remote_decode:
+        return RemoteDecode(p.transfer_id, p.address, p.skip_tokens)
+    return RemotePrefill(p.transfer_id)
+
+
 class EngineCore:
     def __init__(self, engine: LLMEngine, addresses: CoreAddresses, parent_pid: int) -> None:
         self.engine = engine
@@ -118,6 +130,9 @@ class EngineCore:
                 num_kv_tokens=bm.num_blocks * bm.block_size,
                 block_size=bm.block_size,
                 num_threads=torch.get_num_threads(),
+                role=engine.role,
+                kv_backend=engine.connector.transport.name if engine.connector else None,
+                kv_address=engine.connector.address if engine.connector else None,
             )
         )
 
@@ -140,17 +155,24 @@ class EngineCore:
             outputs = engine.step()
             record = engine.step_records[-1] if engine.step_records else None
             ran = record is not None and record is not last
+            model = engine.scheduler.step_model
             step = (
-                StepStats(record.duration, record.num_prefill_tokens, record.num_decode_tokens)
+                StepStats(
+                    record.duration, record.num_prefill_tokens, record.num_decode_tokens,
+                    model.last_predicted if model is not None else None,
+                )
                 if ran
                 else None
             )
+            for req_id, skip in engine.take_kv_reservations():  # the front answers the router with these
+                self._pending.append(RequestDelta(req_id, [], "", kv_skip_tokens=skip))
             if ran or outputs or changed or self._pending:
                 self._send_outputs(outputs, step)
             poll_ms = 0 if ran or outputs else _STALLED_POLL_MS
         logger.info("engine core stopping")
 
     def close(self) -> None:
+        self.engine.close()
         self._input.close(linger=0)
         self._output.close()
         self._ctx.term()
@@ -178,9 +200,13 @@ class EngineCore:
     def _handle(self, msg: FrontMessage) -> None:
         if isinstance(msg, AddRequest):
             try:
-                self.engine.add_request(msg.prompt_token_ids, msg.params, msg.req_id, msg.arrival_time)
+                self.engine.add_request(
+                    msg.prompt_token_ids, msg.params, msg.req_id, msg.arrival_time, _kv_spec(msg.kv_transfer)
+                )
             except InvalidRequestError as e:
                 self._pending.append(RequestDelta(msg.req_id, [], "", "error", error=str(e), invalid=True))
+            except SLORejectedError as e:
+                self._pending.append(RequestDelta(msg.req_id, [], "", "error", error=str(e), rejected=True))
             except Exception as e:  # never let one request take the loop down
                 logger.exception("adding request %s failed", msg.req_id)
                 self._pending.append(RequestDelta(msg.req_id, [], "", "error", error=f"engine error: {e}"))
@@ -215,6 +241,8 @@ class EngineCore:
             )
         engine = self.engine
         bm = engine.block_manager
+        policy = engine.scheduler.policy
+        slo = policy if isinstance(policy, SLOAware) else None
         stats = EngineStats(
             engine.scheduler.num_running,
             engine.scheduler.num_waiting,
@@ -222,8 +250,15 @@ class EngineCore:
             engine.scheduler.num_preemptions,
             bm.num_prefix_hit_tokens,
             bm.num_prefix_queried_tokens,
+            slo.step_model.coefficients if slo is not None else None,
+            slo.num_ttft_violations_predicted if slo is not None else 0,
+            slo.num_rejected if slo is not None else 0,
         )
-        self._send(EngineOutputs(deltas, stats, step))
+        transfers = [
+            TransferStats(r.direction, r.ok, r.num_tokens, r.num_bytes, r.duration)
+            for r in (engine.connector.take_records() if engine.connector is not None else [])
+        ]
+        self._send(EngineOutputs(deltas, stats, step, transfers))
 
     def _send(self, msg: Ready | EngineOutputs) -> None:
         self._output.send(self._encoder.encode(msg), copy=False)

@@ -12,11 +12,22 @@ import msgspec
 from pdserve.request import SamplingParams
 
 
+class KVTransferParams(msgspec.Struct, array_like=True):
+    """Disaggregation: send this prompt's KV to `address` (remote_decode, on a prefill instance) or
+    reserve blocks and receive it (on a decode instance)."""
+
+    transfer_id: str
+    remote_decode: bool
+    address: str = ""
+    skip_tokens: int = 0
+
+
 class AddRequest(msgspec.Struct, tag="add", array_like=True):
     req_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    kv_transfer: KVTransferParams | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -34,6 +45,9 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     num_kv_tokens: int  # num_blocks * block_size: no request may need more
     block_size: int
     num_threads: int
+    role: str = "both"
+    kv_backend: str | None = None
+    kv_address: str | None = None  # where this instance receives KV
 
 
 class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -49,12 +63,15 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     invalid: bool = False  # the engine refused the request (a 400 for its client), nothing ran
     first_scheduled_time: float | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (final delta)
+    rejected: bool = False  # the `slo` policy refused the request (a 503 for its client), nothing ran
+    kv_skip_tokens: int | None = None  # blocks reserved for a remote prefill: prompt tokens held already
 
 
 class StepStats(msgspec.Struct, array_like=True):
     duration: float
     num_prefill_tokens: int
     num_decode_tokens: int
+    predicted_duration: float | None = None  # the step-time model's prediction for this step (`slo`)
 
 
 class EngineStats(msgspec.Struct, array_like=True):
@@ -64,12 +81,26 @@ class EngineStats(msgspec.Struct, array_like=True):
     num_preemptions: int  # cumulative, like the counters below
     num_prefix_hit_tokens: int
     num_prefix_queried_tokens: int
+    # `slo` policy only: the step-time model's coefficients (seconds: base, per prefill token, per decode
+    # sequence, per context token) and cumulative counts of predicted TTFT misses and refused requests.
+    step_model_coefficients: tuple[float, float, float, float] | None = None
+    num_ttft_violations_predicted: int = 0
+    num_slo_rejected: int = 0
+
+
+class TransferStats(msgspec.Struct, array_like=True):
+    direction: str  # "send" | "receive"
+    ok: bool
+    num_tokens: int
+    num_bytes: int
+    duration: float
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True):
     deltas: list[RequestDelta]
     stats: EngineStats
     step: StepStats | None = None  # the step that produced these deltas, if one ran
+    transfers: list[TransferStats] = []  # KV transfers that ended since the last message
 
 
 FrontMessage = AddRequest | AbortRequests | Shutdown

@@ -13,7 +13,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pdserve.server.messages import EngineStats, StepStats
+from pdserve.server.messages import EngineStats, StepStats, TransferStats
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,8 @@ _REQUEST_BUCKETS = (
     480.0,
 )
 _STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_RATIO_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
+_STEP_MODEL_TERMS = ("base", "prefill_token", "decode_seq", "context_token")  # step_model.TERMS
 
 
 class ServerMetrics:
@@ -153,6 +155,51 @@ class ServerMetrics:
         self.finished = {
             reason: finished.labels(model_name, reason) for reason in ("stop", "length", "error")
         }
+        # `slo` policy: its step-time model and predictions (coefficients appear once the engine sends them).
+        self._step_model_coefficient = Gauge(
+            "pdserve:step_model_coefficient_seconds",
+            "Step-time model (slo policy): seconds per unit of each term (base: per step).",
+            ["model_name", "term"],
+            registry=r,
+        )
+        self._model_name = model_name
+        self.step_time_predicted = gauge(
+            "pdserve:step_time_predicted_seconds", "The step-time model's prediction for the last step."
+        )
+        self.step_time_measured = gauge(
+            "pdserve:step_time_measured_seconds", "Measured duration of the last step the model predicted."
+        )
+        self.step_time_error = hist(
+            "pdserve:step_time_prediction_error_ratio",
+            "|predicted - measured| / measured step time, per step (slo policy).",
+            _RATIO_BUCKETS,
+        )
+        self.ttft_violations_predicted = counter(
+            "pdserve:slo_ttft_violations_predicted",
+            "Requests the slo policy predicted to miss their TTFT target (counted once each).",
+        )
+        self.slo_rejected = counter(
+            "pdserve:slo_rejected_requests",
+            "Engine requests refused by the slo policy (the HTTP requests are in request_rejected too).",
+        )
+        # Disaggregation: KV transfers that ended on this instance, by direction and outcome.
+        transfer_labels = ["model_name", "direction"]
+        self._transfer_bytes = Counter(
+            "pdserve:kv_transfer_bytes", "KV bytes moved by finished transfers.", transfer_labels, registry=r
+        )
+        self._transfer_tokens = Counter(
+            "pdserve:kv_transfer_tokens", "Prompt tokens whose KV finished transferring.", transfer_labels, registry=r
+        )
+        self._transfer_seconds = Histogram(
+            "pdserve:kv_transfer_duration_seconds",
+            "Per request: transfer opened to acknowledged (send) or to all KV received (receive).",
+            transfer_labels,
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
+        )
+        self._transfers = Counter(
+            "pdserve:kv_transfers", "Finished KV transfers, by outcome.", [*transfer_labels, "outcome"], registry=r
+        )
         # Plain totals for the stats log (counters cannot be read back cheaply).
         self.total_prompt_tokens = 0
         self.total_generation_tokens = 0
@@ -168,9 +215,29 @@ class ServerMetrics:
         self.prefix_queried_tokens.inc(
             max(0, stats.num_prefix_queried_tokens - last.num_prefix_queried_tokens)
         )
+        self.ttft_violations_predicted.inc(
+            max(0, stats.num_ttft_violations_predicted - last.num_ttft_violations_predicted)
+        )
+        self.slo_rejected.inc(max(0, stats.num_slo_rejected - last.num_slo_rejected))
+        if stats.step_model_coefficients is not None:
+            for term, value in zip(_STEP_MODEL_TERMS, stats.step_model_coefficients):
+                self._step_model_coefficient.labels(self._model_name, term).set(value)
         self.engine = stats
         if step is not None:
             (self.prefill_step if step.num_prefill_tokens else self.decode_step).observe(step.duration)
+            if step.predicted_duration is not None:
+                self.step_time_predicted.set(step.predicted_duration)
+                self.step_time_measured.set(step.duration)
+                if step.duration > 0:
+                    self.step_time_error.observe(abs(step.predicted_duration - step.duration) / step.duration)
+
+    def observe_transfer(self, t: TransferStats) -> None:
+        name = self._model_name
+        self._transfers.labels(name, t.direction, "ok" if t.ok else "failed").inc()
+        if t.ok:
+            self._transfer_bytes.labels(name, t.direction).inc(t.num_bytes)
+            self._transfer_tokens.labels(name, t.direction).inc(t.num_tokens)
+            self._transfer_seconds.labels(name, t.direction).observe(t.duration)
 
     def observe_first_token(self, ttft: float, queue_time: float | None, num_prompt_tokens: int) -> None:
         self.ttft.observe(ttft)

@@ -73,6 +73,10 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    # Disaggregation (set by `pdserve router`, see docs/disaggregation.md):
+    # {"remote_prefill": true, "transfer_id": T} on a decode instance,
+    # {"remote_decode": {"transfer_id": T, "address": A, "skip_tokens": N}} on a prefill instance.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(_GenerationRequest, kw_only=True):

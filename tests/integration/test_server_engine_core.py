@@ -28,7 +28,7 @@ class FailingRunner:
     def __init__(self, runner) -> None:  # type: ignore[no-untyped-def]
         self.runner = runner
 
-    def execute(self, sched):  # type: ignore[no-untyped-def]
+    def execute(self, sched, after_layer=None):  # type: ignore[no-untyped-def]
         if any(POISON in s.req.prompt_token_ids for s in sched.scheduled):
             raise RuntimeError("injected failure")
         return self.runner.execute(sched)

@@ -75,7 +75,7 @@ def test_failed_step_fails_its_requests_only(make_tiny_llm, monkeypatch):
     eng = llm.engine
     rid = eng.add_request([1, 2, 3], GREEDY)
 
-    def boom(_):
+    def boom(*_):
         raise RuntimeError("simulated kernel failure")
 
     monkeypatch.setattr(eng.runner, "execute", boom)

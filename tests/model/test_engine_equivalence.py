@@ -44,9 +44,10 @@ def _tokens(llm, prompts, params=GREEDY):
         dict(block_size=16),
         dict(attention_backend="cpu-paged", scheduler="chunked", max_num_batched_tokens=32),
         dict(scheduler="decode-priority", max_num_batched_tokens=32),
+        dict(scheduler="slo", max_num_batched_tokens=16),
     ],
     ids=["default", "no-prefix-cache", "chunked-16", "chunked-64-c7", "prefill-first-32", "block16", "cpu-paged",
-         "decode-priority"],
+         "decode-priority", "slo-16"],
 )
 def test_batched_equals_sequential(make_tiny_llm, prompts, reference, opts):
     assert _tokens(make_tiny_llm(**opts), prompts) == reference
@@ -64,7 +65,7 @@ def test_prefix_cache_hits_and_same_output(make_tiny_llm, prompts, reference):
     assert any(o.metrics.num_cached_tokens > 0 for o in outs)
 
 
-@pytest.mark.parametrize("policy", ["prefill-first", "chunked", "decode-priority"])
+@pytest.mark.parametrize("policy", ["prefill-first", "chunked", "decode-priority", "slo"])
 def test_preemption_keeps_output(make_tiny_llm, prompts, reference, policy):
     # 40 blocks of 4 tokens cannot hold 15 sequences of up to ~90 tokens: requests get preempted.
     llm = make_tiny_llm(num_blocks=40, scheduler=policy, max_num_batched_tokens=64)

@@ -138,3 +138,21 @@ def test_arrival_offsets():
         cv = (sum((x - mu) ** 2 for x in g) / len(g)) ** 0.5 / mu
         assert mu == pytest.approx(0.1, rel=0.1)
         assert cv == pytest.approx(1 / shape**0.5, rel=0.15), shape
+
+
+def test_output_len_mismatches_counted_over_checked_completed_requests():
+    records = trace()
+    assert compute_metrics(records, 4.0).output_len_mismatches is None  # nothing re-counted
+    records[0].tokenizer_output_len = 4  # agrees
+    records[1].tokenizer_output_len = 2  # the server said 3
+    records[3].tokenizer_output_len = 9  # failed: not counted
+    assert compute_metrics(records, 4.0).output_len_mismatches == 1
+
+
+def test_streamed_text_of_completions_and_chat_chunks():
+    from pdserve.bench.client import _choice_text
+
+    assert _choice_text({"index": 0, "text": "Hello", "finish_reason": None}) == "Hello"
+    assert _choice_text({"index": 0, "delta": {"content": " world"}}) == " world"
+    assert _choice_text({"index": 0, "delta": {"role": "assistant"}}) == ""
+    assert _choice_text({"index": 0, "delta": {"content": None}, "finish_reason": "length"}) == ""

@@ -1,0 +1,177 @@
+"""The `pdserve bench` command line: one run (`pdserve bench --base-url URL ...`), a rate sweep
+(`pdserve bench sweep`) and a side-by-side comparison of serving modes (`pdserve bench compare`).
+
+Only argparse at import time: the benchmark modules (httpx, numpy, matplotlib) load when a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """What to send and how: the options every bench command shares."""
+    p.add_argument("--model", default=None, help="the `model` to send (default: the first of /v1/models)")
+    p.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
+    p.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "random", "long-prompt"])
+    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--random-input-len", type=int, default=1024)
+    p.add_argument("--random-output-len", type=int, default=128)
+    g = p.add_argument_group("long-prompt dataset (short chats from ShareGPT, or random without it)")
+    g.add_argument("--long-prompt-fraction", type=float, default=0.05, help="share of long requests")
+    g.add_argument("--long-prompt-min-len", type=int, default=1500, help="long prompt length, tokens")
+    g.add_argument("--long-prompt-max-len", type=int, default=1900)
+    g.add_argument(
+        "--long-prompt-output-len", type=int, default=128, help="tokens each long request asks for"
+    )
+    g.add_argument("--max-total-len", type=int, default=2048, help="prompt + output limit (the context)")
+    g.add_argument("--short-input-len", type=int, default=256, help="random short chats: prompt tokens")
+    g.add_argument("--short-output-len", type=int, default=128, help="random short chats: output tokens")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1: Poisson)")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo", default=None, help="targets in ms, e.g. ttft=500,tpot=50,itl=100")
+    p.add_argument(
+        "--count-output-tokens", action=argparse.BooleanOptionalAction, default=None,
+        help="re-count outputs with pdserve's default tokenizer (default: when the served model is it)",
+    )
+    p.add_argument("--plot-dir", default=None, help="write TTFT/ITL CDFs and request timelines here (PNG)")
+    p.add_argument("--trace", default=None, help="write request timelines as a Perfetto/Chrome trace JSON")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="benchmark an OpenAI-compatible server (TTFT, TPOT, ITL, goodput); also `bench sweep|compare`",
+    )
+    p.add_argument(
+        "--base-url", default=None, help="e.g. http://127.0.0.1:8000 (required without a subcommand)"
+    )
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, or inf (default)")
+    p.add_argument("--out", default=None, help="write the report (every request's record) to this JSON file")
+    add_workload_args(p)
+    p.set_defaults(func=cmd_bench)
+    modes = p.add_subparsers(dest="bench_command", metavar="{sweep,compare}")
+
+    s = modes.add_parser("sweep", help="the same workload at several request rates against one server")
+    s.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    s.add_argument("--request-rates", required=True, help="comma-separated requests/s, e.g. 0.5,1,2,4,inf")
+    s.add_argument("--out", default="sweep.json", help="JSON report; the latency-vs-rate PNG goes beside it")
+    add_workload_args(s)
+    s.set_defaults(func=cmd_sweep)
+
+    c = modes.add_parser("compare", help="the same workload against a fresh pdserve server per mode")
+    c.add_argument("--modes", required=True, help="comma-separated preset names, e.g. prefill-first,chunked")
+    c.add_argument("--presets", default=None, help="TOML file of more presets: [presets.NAME] args = [...]")
+    c.add_argument(
+        "--server-args", default="",
+        help="`pdserve serve` arguments common to every mode, one shell-quoted string "
+        "(write --server-args='--flag' when it is a single option)",
+    )
+    c.add_argument("--server-timeout", type=float, default=300.0, help="seconds to wait for each server")
+    c.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, or inf (default)")
+    c.add_argument("--out", default="compare.json", help="JSON report; the CDF figure (PNG) goes beside it")
+    add_workload_args(c)
+    c.set_defaults(func=cmd_compare)
+
+
+def _workload(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from pdserve.bench.datasets import LongPromptMix
+    from pdserve.bench.serve_bench import Workload
+
+    mix = LongPromptMix(
+        fraction=args.long_prompt_fraction,
+        min_len=args.long_prompt_min_len,
+        max_len=args.long_prompt_max_len,
+        output_len=args.long_prompt_output_len,
+        short_input_len=args.short_input_len,
+        short_output_len=args.short_output_len,
+        max_total_len=args.max_total_len,
+    )
+    return Workload(
+        args.dataset, args.num_prompts, args.seed, args.random_input_len, args.random_output_len, mix
+    )
+
+
+def _slo(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from pdserve.bench.metrics import parse_slo
+
+    return parse_slo(args.slo) if args.slo else None
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Benchmark an OpenAI-compatible server: replay a workload, print the latency table, write JSON."""
+    from pdserve.bench.serve_bench import run_bench
+
+    if args.base_url is None:
+        raise ValueError("pdserve bench: --base-url is required (or use `bench sweep` / `bench compare`)")
+    workload = _workload(args)
+    run_bench(
+        args.base_url,
+        args.model,
+        workload.dataset,
+        workload.num_prompts,
+        args.request_rate,
+        args.burstiness,
+        args.max_concurrency,
+        workload.seed,
+        _slo(args),
+        args.out,
+        endpoint=args.endpoint,
+        random_input_len=workload.random_input_len,
+        random_output_len=workload.random_output_len,
+        long_prompt=workload.long_prompt,
+        count_outputs=args.count_output_tokens,
+        plot_dir=args.plot_dir,
+        trace=args.trace,
+        show_progress=not args.no_progress,
+    )
+    return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from pdserve.bench.sweep import parse_rates, run_sweep
+
+    run_sweep(
+        args.base_url,
+        args.model,
+        _workload(args),
+        parse_rates(args.request_rates),
+        endpoint=args.endpoint,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        slo=_slo(args),
+        out=args.out,
+        plot_dir=args.plot_dir,
+        trace=args.trace,
+        count_outputs=args.count_output_tokens,
+        show_progress=not args.no_progress,
+    )
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from pdserve.bench.compare import run_compare
+    from pdserve.bench.presets import load_presets, resolve_modes
+
+    modes = resolve_modes(args.modes, load_presets(args.presets))
+    run_compare(
+        modes,
+        _workload(args),
+        server_args=shlex.split(args.server_args),
+        model=args.model,
+        request_rate=args.request_rate,
+        endpoint=args.endpoint,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        slo=_slo(args),
+        out=args.out,
+        plot_dir=args.plot_dir,
+        trace=args.trace,
+        count_outputs=args.count_output_tokens,
+        server_timeout_s=args.server_timeout,
+        show_progress=not args.no_progress,
+    )
+    return 0

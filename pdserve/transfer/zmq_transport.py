@@ -1,0 +1,354 @@
+"""`shm` (processes on one host) and `tcp` (across hosts): KV transfer over ZMQ.
+
+Control path, shared by both: every transport binds one ROUTER socket at its `address`; a sender keeps
+one DEALER per receiver it talks to. A message is a msgpack header (`chunk`, `done` or `ack`), plus for
+`tcp` the chunk's bytes. The receiver acks over the same connection (the ROUTER answers the DEALER's
+identity), so a sender never needs an address of its own. ZMQ's I/O thread does the sending: `send_*`
+only queue, and the prefill forward goes on with the next layer while a chunk travels.
+
+Data path:
+- `tcp`: the chunk's bytes follow its header in the same message, with a CRC32 the receiver checks.
+- `shm`: the receiver creates one buffer per transfer, a file in /dev/shm laid out
+  `[num_layers, 2, kv_heads, tokens, head_dim]` and mapped by both processes; the sender copies each
+  chunk straight into it and sends only the header. Nothing is pickled; the only copies are cache ->
+  buffer on the prefill side and buffer -> cache on the decode side. Buffers are named after the
+  receiver (its pid), so one that a killed receiver left behind is removed by the next one to start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import re
+import secrets
+import tempfile
+import warnings
+import zlib
+from dataclasses import dataclass, field
+
+import msgspec
+import torch
+import zmq
+
+from pdserve.transfer.base import KVAck, KVChunk, KVDone, KVFailed, KVLayout, KVTransport, TransferError
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder().decode
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous tensor of any dtype (bf16 has no numpy type: view it as bytes)."""
+    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
+
+
+def bytes_tensor(buf: memoryview | bytes | mmap.mmap, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    with warnings.catch_warnings():  # read-only frames: we only ever copy out of them
+        warnings.simplefilter("ignore")
+        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
+
+
+@dataclass(slots=True)
+class _Out:
+    dest: str
+    start: int
+    end: int
+    buffer: torch.Tensor | None = None  # shm: the receiver's buffer, mapped here
+
+
+@dataclass(slots=True)
+class _In:
+    start: int
+    end: int
+    identity: bytes | None = None  # the sender's DEALER, once it has said something
+    buffer: torch.Tensor | None = None  # shm
+    path: str | None = None  # shm
+
+
+@dataclass(slots=True)
+class _Peer:
+    socket: zmq.Socket
+    transfers: set[str] = field(default_factory=set)
+
+
+class _ZmqTransport(KVTransport):
+    def __init__(self, layout: KVLayout, bind: str, verify: bool) -> None:
+        super().__init__(layout)
+        self.verify = verify
+        self._ctx = zmq.Context()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.SNDHWM, 0)
+        self._router.setsockopt(zmq.RCVHWM, 0)
+        self._router.bind(bind)
+        self.address = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._peers: dict[str, _Peer] = {}
+        self._out: dict[str, _Out] = {}
+        self._in: dict[str, _In] = {}
+        self._acks: list[KVAck] = []  # failures found locally, reported with the peers' acks
+
+    # ---- prefill side --------------------------------------------------------------------------
+    def open_send(self, transfer_id: str, dest: str, start: int, end: int) -> None:
+        if not 0 <= start < end:
+            raise TransferError(f"bad token range [{start}, {end})")
+        out = _Out(dest, start, end)
+        self._open_send_data(out, transfer_id)
+        peer = self._peers.get(dest)
+        if peer is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            try:
+                sock.connect(dest)
+            except zmq.ZMQError as e:
+                sock.close()
+                raise TransferError(f"cannot connect to KV receiver {dest!r}: {e}") from None
+            peer = self._peers[dest] = _Peer(sock)
+        peer.transfers.add(transfer_id)
+        self._out[transfer_id] = out
+
+    def send_chunk(self, transfer_id: str, layer: int, start: int, kv: torch.Tensor) -> None:
+        out = self._out.get(transfer_id)
+        if out is None:
+            return  # failed or cancelled while the step ran
+        n = kv.shape[2]
+        crc, frames = self._chunk_data(out, layer, start, kv)
+        self._send(out, transfer_id, [_encode(("chunk", transfer_id, layer, start, n, crc)), *frames])
+
+    def send_done(self, transfer_id: str, first_token: int, logprobs: dict[int, float] | None) -> None:
+        out = self._out.get(transfer_id)
+        if out is not None:
+            self._send(out, transfer_id, [_encode(("done", transfer_id, first_token, logprobs))])
+
+    def _send(self, out: _Out, transfer_id: str, frames: list[bytes | memoryview]) -> None:
+        try:
+            self._peers[out.dest].socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=len(frames) == 1)
+        except zmq.ZMQError as e:
+            self._fail_send(transfer_id, f"sending KV failed: {e}")
+
+    def _fail_send(self, transfer_id: str, error: str) -> None:
+        self._acks.append(KVAck(transfer_id, False, error))
+        self.close_send(transfer_id)
+
+    def poll_acks(self) -> list[KVAck]:
+        acks, self._acks = self._acks, []
+        for peer in self._peers.values():
+            while True:
+                try:
+                    frames = peer.socket.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    kind, transfer_id, ok, error = _decode(frames[0])
+                    assert kind == "ack"
+                except Exception:  # never let a peer's garbage take the engine down
+                    continue
+                if transfer_id in peer.transfers:
+                    acks.append(KVAck(transfer_id, bool(ok), error))
+        return acks
+
+    def close_send(self, transfer_id: str) -> None:
+        out = self._out.pop(transfer_id, None)
+        if out is not None:
+            self._peers[out.dest].transfers.discard(transfer_id)
+
+    # ---- decode side ---------------------------------------------------------------------------
+    def open_receive(self, transfer_id: str, start: int, end: int) -> None:
+        rec = _In(start, end)
+        self._open_receive_data(rec, transfer_id)
+        self._in[transfer_id] = rec
+
+    def poll_received(self) -> list[KVChunk | KVDone | KVFailed]:
+        events: list[KVChunk | KVDone | KVFailed] = []
+        while True:
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return events
+            identity = frames[0].bytes
+            try:
+                header = _decode(frames[1].buffer)
+                kind, transfer_id = header[0], header[1]
+            except Exception:
+                continue
+            rec = self._in.get(transfer_id)
+            if rec is None:
+                self._reply(identity, transfer_id, False, "unknown or closed transfer")
+                continue
+            rec.identity = identity
+            if kind == "done":
+                events.append(KVDone(transfer_id, header[2], _int_keys(header[3])))
+            elif kind == "chunk":
+                _, _, layer, start, n, crc = header
+                events.append(self._chunk_event(rec, transfer_id, layer, start, n, crc, frames[2:]))
+
+    def _chunk_event(
+        self, rec: _In, transfer_id: str, layer: int, start: int, n: int, crc: int | None, payload: list[zmq.Frame]
+    ) -> KVChunk | KVFailed:
+        lay = self.layout
+        if not (0 <= layer < lay.num_layers and rec.start <= start and start + n <= rec.end and n > 0):
+            return KVFailed(transfer_id, f"chunk out of range: layer {layer}, tokens [{start}, {start + n})")
+        try:
+            kv = self._chunk_tensor(rec, layer, start, n, payload)
+        except (ValueError, RuntimeError, IndexError) as e:
+            return KVFailed(transfer_id, f"malformed chunk: {e}")
+        if crc is not None and zlib.crc32(tensor_bytes(kv)) != crc:
+            return KVFailed(transfer_id, f"checksum mismatch in layer {layer}, tokens [{start}, {start + n})")
+        return KVChunk(transfer_id, layer, start, kv)
+
+    def ack(self, transfer_id: str, ok: bool, error: str | None = None) -> None:
+        rec = self._in.get(transfer_id)
+        if rec is not None and rec.identity is not None:
+            self._reply(rec.identity, transfer_id, ok, error)
+
+    def _reply(self, identity: bytes, transfer_id: str, ok: bool, error: str | None) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self._router.send_multipart([identity, _encode(("ack", transfer_id, ok, error))], zmq.NOBLOCK)
+
+    def close_receive(self, transfer_id: str) -> None:
+        rec = self._in.pop(transfer_id, None)
+        if rec is not None:
+            self._close_receive_data(rec)
+
+    def close(self) -> None:
+        for transfer_id in list(self._in):
+            self.close_receive(transfer_id)
+        self._router.close(0)
+        for peer in self._peers.values():
+            peer.socket.close(0)
+        self._ctx.term()
+
+    # ---- data path (subclasses) ----------------------------------------------------------------
+    def _open_send_data(self, out: _Out, transfer_id: str) -> None:
+        pass
+
+    def _chunk_data(self, out: _Out, layer: int, start: int, kv: torch.Tensor) -> tuple[int | None, list[memoryview]]:
+        raise NotImplementedError
+
+    def _open_receive_data(self, rec: _In, transfer_id: str) -> None:
+        pass
+
+    def _chunk_tensor(self, rec: _In, layer: int, start: int, n: int, payload: list[zmq.Frame]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _close_receive_data(self, rec: _In) -> None:
+        pass
+
+
+def _int_keys(logprobs: dict | None) -> dict[int, float] | None:
+    return None if logprobs is None else {int(k): float(v) for k, v in logprobs.items()}
+
+
+class TcpTransport(_ZmqTransport):
+    """Chunks travel inline, framed and checksummed. `host` is the interface to listen on; the address
+    peers use is `tcp://host:port` (give a routable host, not 0.0.0.0, for other machines)."""
+
+    name = "tcp"
+
+    def __init__(self, layout: KVLayout, host: str = "127.0.0.1", port: int = 0, verify: bool = True) -> None:
+        super().__init__(layout, f"tcp://{host}:{port or '*'}", verify=True)
+
+    def _chunk_data(self, out: _Out, layer: int, start: int, kv: torch.Tensor) -> tuple[int | None, list[memoryview]]:
+        data = tensor_bytes(kv)  # kv is the caller's fresh gather; ZMQ holds it until sent
+        return zlib.crc32(data), [data]
+
+    def _chunk_tensor(self, rec: _In, layer: int, start: int, n: int, payload: list[zmq.Frame]) -> torch.Tensor:
+        lay = self.layout
+        if len(payload) != 1:
+            raise ValueError("a chunk needs exactly one data frame")
+        return bytes_tensor(payload[0].buffer, lay.dtype, (2, lay.num_kv_heads, n, lay.head_dim))
+
+
+_SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+_SHM_PREFIX = "pdserve-kv-"
+
+
+class ShmTransport(_ZmqTransport):
+    """Chunks go through a shared-memory buffer per transfer; ZMQ (ipc) carries only headers and acks."""
+
+    name = "shm"
+
+    def __init__(self, layout: KVLayout, verify: bool = False) -> None:
+        _remove_stale_buffers()
+        self._stem = f"{_SHM_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        super().__init__(layout, f"ipc://{os.path.join(tempfile.gettempdir(), self._stem)}.sock", verify)
+
+    def _buffer_path(self, address: str, transfer_id: str) -> str:
+        stem = os.path.basename(address).removesuffix(".sock")
+        if not stem.startswith(_SHM_PREFIX) or not re.fullmatch(r"[0-9A-Za-z_-]+", transfer_id):
+            raise TransferError(f"not an shm KV receiver address or transfer id: {address!r}, {transfer_id!r}")
+        return os.path.join(_SHM_DIR, f"{stem}-{transfer_id}")
+
+    def _shape(self, num_tokens: int) -> tuple[int, ...]:
+        lay = self.layout
+        return (lay.num_layers, 2, lay.num_kv_heads, num_tokens, lay.head_dim)
+
+    def _open_send_data(self, out: _Out, transfer_id: str) -> None:
+        path = self._buffer_path(out.dest, transfer_id)
+        try:
+            out.buffer = _map(path, self._shape(out.end - out.start), self.layout.dtype, create=False)
+        except OSError as e:
+            raise TransferError(f"the receiver's KV buffer is not there ({e})") from None
+
+    def _chunk_data(self, out: _Out, layer: int, start: int, kv: torch.Tensor) -> tuple[int | None, list[memoryview]]:
+        assert out.buffer is not None
+        n = kv.shape[2]
+        out.buffer[layer, :, :, start - out.start : start - out.start + n].copy_(kv)
+        return (zlib.crc32(tensor_bytes(kv)) if self.verify else None), []
+
+    def _open_receive_data(self, rec: _In, transfer_id: str) -> None:
+        rec.path = self._buffer_path(self.address, transfer_id)
+        rec.buffer = _map(rec.path, self._shape(rec.end - rec.start), self.layout.dtype, create=True)
+
+    def _chunk_tensor(self, rec: _In, layer: int, start: int, n: int, payload: list[zmq.Frame]) -> torch.Tensor:
+        assert rec.buffer is not None
+        return rec.buffer[layer, :, :, start - rec.start : start - rec.start + n]
+
+    def _close_receive_data(self, rec: _In) -> None:
+        rec.buffer = None
+        if rec.path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(rec.path)
+
+    def close(self) -> None:
+        super().close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(tempfile.gettempdir(), f"{self._stem}.sock"))
+
+
+def _map(path: str, shape: tuple[int, ...], dtype: torch.dtype, create: bool) -> torch.Tensor:
+    """A tensor over a file mapped shared (the mapping outlives the file's name)."""
+    nbytes = dtype.itemsize
+    for d in shape:
+        nbytes *= d
+    fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, nbytes)
+        elif os.fstat(fd).st_size != nbytes:
+            raise OSError(f"{path} has {os.fstat(fd).st_size} bytes, expected {nbytes}")
+        mm = mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+    return bytes_tensor(mm, dtype, shape)
+
+
+def _remove_stale_buffers() -> None:
+    """Buffers and sockets of receivers whose process is gone (killed before it could clean up)."""
+    for folder in {_SHM_DIR, tempfile.gettempdir()}:
+        with contextlib.suppress(OSError):
+            for name in os.listdir(folder):
+                m = re.match(rf"{_SHM_PREFIX}(\d+)-", name)
+                if m and not _alive(int(m.group(1))):
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(folder, name))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
