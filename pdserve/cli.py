@@ -75,7 +75,7 @@ def add_disagg_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
                    help="this instance's role behind `pdserve router` (both: colocated)")
-    g.add_argument("--kv-transfer", default=None, choices=["shm", "tcp"],
+    g.add_argument("--kv-transfer", default=None, choices=["shm", "tcp", "torch.distributed"],
                    help="KV transfer backend (required for --role prefill|decode)")
     g.add_argument("--kv-transfer-host", default="127.0.0.1", help="tcp: interface (and address) for KV")
     g.add_argument("--kv-transfer-port", type=int, default=0, help="tcp: port for KV (0: any free one)")

@@ -98,7 +98,7 @@ class KVTransferConfig:
     decode instances (and ordinary requests); `decode` only receives prompts' KV (and ordinary requests)."""
 
     role: str = "both"
-    backend: str | None = None  # inproc | shm | tcp; None: no transfers
+    backend: str | None = None  # inproc | shm | tcp | torch.distributed; None: no transfers
     host: str = "127.0.0.1"  # tcp: interface to listen on for KV (and the address peers are given)
     port: int = 0  # tcp: 0 picks a free port
     ack_timeout_s: float = 10.0  # prefill side: how long after the first token the decode side may take to ack

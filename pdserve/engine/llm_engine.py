@@ -160,6 +160,8 @@ class LLMEngine:
             cls = transport_class(kc.backend)  # type: ignore[arg-type]
             if kc.backend == "tcp":
                 transport = cls(layout, host=kc.host, port=kc.port)  # type: ignore[call-arg]
+            elif kc.backend == "torch.distributed":
+                transport = cls(layout, host=kc.host, port=kc.port, device=self.device)  # type: ignore[call-arg]
             elif kc.backend == "shm":
                 transport = cls(layout, verify=kc.verify)  # type: ignore[call-arg]
             else:

@@ -22,7 +22,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class ServerProcess:
-    """`pdserve serve <args>` in a subprocess. Its output goes to a log file (`log_text()`)."""
+    """`pdserve serve <args>` (or `pdserve router <args>`) in a subprocess. Its output goes to a log file
+    (`log_text()`)."""
 
     def __init__(
         self,
@@ -30,6 +31,7 @@ class ServerProcess:
         host: str = "127.0.0.1",
         port: int | None = None,
         env: Mapping[str, str] | None = None,
+        command: str = "serve",
     ) -> None:
         self.host = host
         self.port = port or free_port(host)
@@ -37,7 +39,7 @@ class ServerProcess:
             sys.executable,
             "-m",
             "pdserve.cli",
-            "serve",
+            command,
             "--host",
             host,
             "--port",
