@@ -53,6 +53,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "torch-compiled", "cpu-paged"])
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--no-fused-ops", action="store_true",
+                   help="bf16 on CPU: keep the layer's elementwise steps as plain torch ops")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -110,6 +112,7 @@ def engine_config(args: argparse.Namespace, num_threads: int | None = None):  # 
         device=args.device,
         num_threads=num_threads if num_threads is not None else args.num_threads,
         attention_backend=args.attention_backend,
+        fused_cpu_ops=not args.no_fused_ops,
         seed=args.seed,
         cache=CacheConfig(args.block_size, None, args.kv_cache_memory_gb, not args.no_prefix_caching),
         scheduler=SchedulerConfig(

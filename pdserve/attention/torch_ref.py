@@ -22,6 +22,9 @@ class TorchAttention:
         kvh, num_blocks, block_size, d = k_cache.shape
         k_cache.view(kvh, -1, d).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         v_cache.view(kvh, -1, d).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        groups = meta.decode_groups
+        if not meta.prefills and len(groups) == 1 and groups[0].num_seqs == q.shape[0]:
+            return self.decode(q, k_cache, v_cache, groups[0], scale)  # a decode-only step: no copy into `out`
         out = torch.empty_like(q)
         for g in meta.decode_groups:
             s, n = g.query_start, g.num_seqs

@@ -104,6 +104,8 @@ class LLMEngine:
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.inv_freq = self.model.inv_freq.float()
         self.model.prepack_for_cpu()
+        if config.fused_cpu_ops:
+            self.model.use_fused_cpu_ops()
         del weights
 
         sc = config.scheduler

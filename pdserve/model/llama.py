@@ -1,9 +1,11 @@
 """Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) in plain torch.
 
 Everything a forward needs arrives as arguments: token ids, positions, the per-layer paged KV cache and
-the step's attention metadata. Projections are fused (one QKV matmul, one gate/up matmul) to keep the
-number of ops per layer small; at 135M parameters and 30 layers, per-op overhead is a large share of a
-decode step. Logits are computed only for the rows that sample.
+the step's attention metadata. Projections are fused (one QKV matmul, one gate/up matmul) and the
+elementwise steps go through `ops` (`ops.py`: plain torch, or fused C++ calls on CPU) to keep the number
+of ops per layer small; at 135M parameters and 30 layers, per-op overhead is a large share of a decode
+step. The residual stream travels as (x, delta) so that each add is fused with the norm after it.
+Logits are computed only for the rows that sample.
 """
 
 from __future__ import annotations
@@ -16,11 +18,7 @@ from torch import nn
 
 from pdserve.attention.base import AttentionBackend, AttentionMetadata
 from pdserve.config import ModelConfig
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Normalise in float32, round to the input dtype, then scale (the order Hugging Face's Llama uses)."""
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+from pdserve.model.ops import FusedCpuOps, TorchOps, fused_cpu_ops, rms_norm
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,12 +26,6 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.d
     freqs = positions.to(torch.float32).unsqueeze(1) * inv_freq.unsqueeze(0)  # [T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class LlamaLayer(nn.Module):
@@ -68,25 +60,22 @@ class LlamaLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        delta: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         attn: AttentionBackend,
-    ) -> torch.Tensor:
+        ops: TorchOps | FusedCpuOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual stream, what the previous layer adds to it) -> the same pair after this layer."""
         t = x.shape[0]
-        h = rms_norm(x, self.input_norm, self.eps)
-        qkv = self.linear(h, "qkv")
-        # RoPE on q and k together: one set of ops for both (per-op overhead dominates small batches).
-        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), cos, sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        x, h = ops.add_rms_norm(x, delta, self.input_norm, self.eps)
+        q, k, v = ops.rope_qkv(self.linear(h, "qkv"), cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
         a = attn.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-        x = x + self.linear(a.reshape(t, self.q_size), "o")
-        h = rms_norm(x, self.post_norm, self.eps)
-        gate, up = self.linear(h, "gate_up").chunk(2, dim=-1)
-        return x + self.linear(F.silu(gate) * up, "down")
+        x, h = ops.add_rms_norm(x, self.linear(a.reshape(t, self.q_size), "o"), self.post_norm, self.eps)
+        return x, self.linear(ops.silu_mul(self.linear(h, "gate_up")), "down")
 
 
 class LlamaModel(nn.Module):
@@ -101,6 +90,7 @@ class LlamaModel(nn.Module):
         )
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.ops: TorchOps | FusedCpuOps = TorchOps()
 
     def forward(
         self,
@@ -114,11 +104,12 @@ class LlamaModel(nn.Module):
         """`after_layer(i)` runs once layer i has written its K/V (disaggregation sends them from there)."""
         x = F.embedding(input_ids, self.embed)
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        delta = None
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
-            x = layer(x, cos, sin, k_cache, v_cache, meta, attn)
+            x, delta = layer(x, delta, cos, sin, k_cache, v_cache, meta, attn, self.ops)
             if after_layer is not None:
                 after_layer(i)
-        return x
+        return x + delta
 
     def prepack_for_cpu(self) -> bool:
         """Pack projection weights for oneDNN when that is the fast path (CPU, bf16); returns whether it did."""
@@ -126,6 +117,17 @@ class LlamaModel(nn.Module):
             return False
         for layer in self.layers:
             layer.prepack()
+        return True
+
+    def use_fused_cpu_ops(self) -> bool:
+        """Switch the elementwise steps to the fused C++ ops when that is the fast path (CPU, 16-bit) and
+        the extension builds; returns whether it did."""
+        if self.embed.device.type != "cpu" or self.embed.dtype != torch.bfloat16:
+            return False
+        ops = fused_cpu_ops()
+        if ops is None:
+            return False
+        self.ops = ops
         return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

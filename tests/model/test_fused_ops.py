@@ -1,0 +1,76 @@
+"""The fused C++ ops give the reference torch ops' results: bit for bit where the reference rounds the
+same way, within one bf16 ulp where a float32 sum is reduced in another order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.model.ops import TorchOps, fused_cpu_ops
+from tests.conftest import TINY
+
+fused = fused_cpu_ops()
+pytestmark = pytest.mark.skipif(fused is None, reason="no C++ compiler for the fused ops")
+
+
+def rand(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def ulp_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in units of the last place (bf16 as int16 bit patterns of same-signed values)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 7, 33])
+def test_add_rms_norm(dtype, rows):
+    x, delta, w = rand(rows, 576, dtype=dtype, seed=1), rand(rows, 576, dtype=dtype, seed=2), rand(576, dtype=dtype, seed=3)
+    ref_x, ref_h = TorchOps.add_rms_norm(x.clone(), delta, w, 1e-5)
+    got_x, got_h = fused.add_rms_norm(x.clone(), delta, w, 1e-5)
+    assert torch.equal(got_x, ref_x)  # the add rounds exactly as torch's
+    if dtype == torch.bfloat16:
+        assert ulp_diff(got_h, ref_h).max() <= 1
+        assert (got_h == ref_h).float().mean() > 0.99
+    else:
+        torch.testing.assert_close(got_h, ref_h, rtol=1e-5, atol=1e-5)
+    # Without a delta: only the norm, and x is left alone.
+    got_x, got_h = fused.add_rms_norm(x.clone(), None, w, 1e-5)
+    ref_h = TorchOps.add_rms_norm(x, None, w, 1e-5)[1]
+    assert torch.equal(got_x, x)
+    if dtype == torch.bfloat16:
+        assert ulp_diff(got_h, ref_h).max() <= 1
+    else:
+        torch.testing.assert_close(got_h, ref_h, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_qkv_bit_identical(dtype):
+    t, h, kvh, d = 9, 9, 3, 64
+    qkv = rand(t, (h + 2 * kvh) * d, dtype=dtype, seed=4)
+    angles = rand(t, 1, d, dtype=torch.float32, seed=5)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    ref = TorchOps.rope_qkv(qkv.clone(), cos, sin, h, kvh, d)
+    got = fused.rope_qkv(qkv.clone(), cos, sin, h, kvh, d)
+    for a, b in zip(got, ref):
+        assert a.shape == b.shape
+        assert torch.equal(a, b)
+
+
+def test_model_forward_matches_with_fused_ops(tiny_weights):
+    """The whole tiny model in bf16: fused and reference ops give the same logits to bf16 precision."""
+    from pdserve import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    prompts = [[5, 17, 300, 42, 8, 99], list(range(1, 40))]
+    outs = []
+    for use_fused in (False, True):
+        llm = LLM(dtype="bfloat16", device="cpu", model_config=TINY, weights=tiny_weights, num_blocks=64,
+                  block_size=4, fused_cpu_ops=use_fused)
+        assert (llm.engine.model.ops.name == "fused-cpu") is use_fused
+        outs.append(llm.generate(prompts, params, use_tqdm=False))
+    for ref, got in zip(*outs):
+        assert got.outputs[0].token_ids == ref.outputs[0].token_ids
+        for lp_ref, lp_got in zip(ref.outputs[0].logprobs, got.outputs[0].logprobs):
+            for tok in lp_ref.keys() & lp_got.keys():
+                assert lp_got[tok] == pytest.approx(lp_ref[tok], abs=0.05)
