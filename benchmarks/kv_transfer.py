@@ -96,6 +96,7 @@ def transport_only(backend: str, layout: KVLayout, n: int, repeats: int) -> floa
             got = 0
             while got < layout.num_layers + 1:
                 got += len(b.poll_received())
+                a.poll_acks()  # as the prefill engine's loop does: lets queued sends go
             b.ack(tid, True)
             while not a.poll_acks():
                 pass

@@ -63,6 +63,8 @@ def _rows(m: BenchMetrics, prefix_hits: int | None) -> list[tuple[str, str]]:
         ("TPOT p99 (ms)", num_text(m.tpot.p99)),
         ("ITL p50 (ms)", num_text(m.itl.median)),
         ("ITL p99 (ms)", num_text(m.itl.p99)),
+        ("ITL p99.9 (ms)", num_text(m.itl.p999)),
+        ("ITL max (ms)", num_text(m.itl.max)),
         ("E2E p50 (ms)", num_text(m.e2el.median)),
         ("E2E p99 (ms)", num_text(m.e2el.p99)),
     ]

@@ -128,6 +128,10 @@ class Distribution:
     p90: float
     p99: float
     count: int
+    # The tail that p99 hides: a prompt that stalls every running stream for one long step is a handful
+    # of gaps among tens of thousands (see docs/scheduling.md).
+    p999: float = 0.0
+    max: float = 0.0
 
     @staticmethod
     def of_seconds(values: list[float]) -> Distribution:
@@ -135,8 +139,10 @@ class Distribution:
             return Distribution(0.0, 0.0, 0.0, 0.0, 0)
         ms = np.asarray(values, dtype=np.float64) * 1000.0
         # Linear interpolation between order statistics: numpy's default, as vLLM's benchmark uses.
-        p50, p90, p99 = np.percentile(ms, PERCENTILES)
-        return Distribution(float(ms.mean()), float(p50), float(p90), float(p99), len(values))
+        p50, p90, p99, p999 = np.percentile(ms, (*PERCENTILES, 99.9))
+        return Distribution(
+            float(ms.mean()), float(p50), float(p90), float(p99), len(values), float(p999), float(ms.max())
+        )
 
 
 @dataclass(frozen=True, slots=True)

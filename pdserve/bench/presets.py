@@ -39,6 +39,21 @@ BUILTIN_PRESETS: Mapping[str, Preset] = MappingProxyType(
                 ("--scheduler", "decode-priority"),
                 "prefills pause while many decodes run",
             ),
+            Preset(
+                "slo",
+                ("--scheduler", "slo", "--slo-ttft-ms", "1000", "--slo-itl-ms", "100"),
+                "prompt budget per step from the fitted step-time model (TTFT 1 s, ITL 100 ms targets)",
+            ),
+            Preset(
+                "disagg-1p1d",
+                ("--disagg", "1p1d"),
+                "one prefill and one decode instance behind the router, KV over shared memory, cores split",
+            ),
+            Preset(
+                "disagg-1p1d-chunked",
+                ("--disagg", "1p1d", "--scheduler", "chunked", "--chunk-size", "256"),
+                "1P1D with chunked prefill on the prefill instance (KV sent chunk by chunk)",
+            ),
         )
     }
 )

@@ -238,6 +238,8 @@ def format_table(m: BenchMetrics, load: LoadConfig) -> str:
             row(f"Median {short} (ms):", d.median),
             row(f"P90 {short} (ms):", d.p90),
             row(f"P99 {short} (ms):", d.p99),
+            row(f"P99.9 {short} (ms):", d.p999),
+            row(f"Max {short} (ms):", d.max),
         ]
 
     lines += dist("Time to First Token", "TTFT", m.ttft)

@@ -10,6 +10,11 @@ from dataclasses import dataclass, field
 from pdserve.config import EngineConfig, ModelConfig
 
 
+# Seconds an idle HTTP keep-alive connection stays open (uvicorn's default is 5): longer than clients'
+# pool timeouts (aiohttp 15 s, httpx 5 s), so a client never sends on a connection being closed.
+KEEP_ALIVE_S = 75
+
+
 @dataclass(frozen=True, slots=True)
 class RandomModelSpec:
     """Serve a randomly initialised model with the tokenizer of `EngineConfig.model` (tests: a tiny model

@@ -136,8 +136,11 @@ class TorchDistTransport(_ZmqTransport):
     def _flush(self, group: _Group) -> None:
         if group.pg is None:
             return
-        for kv, tag, _ in group.pending:
-            group.watch(group.pg.send([kv], 1, tag), kv, _ignore)  # type: ignore[attr-defined]
+        try:
+            for kv, tag, _ in group.pending:
+                group.watch(group.pg.send([kv], 1, tag), kv, _ignore)  # type: ignore[attr-defined]
+        except RuntimeError as e:  # the peer's side of the group is gone: fail everything sent to it
+            group.error = f"torch.distributed send failed: {e}"
         group.pending.clear()
 
     def poll_acks(self) -> list:

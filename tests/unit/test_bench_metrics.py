@@ -74,6 +74,8 @@ def test_distributions_in_ms():
     assert m.itl.mean == pytest.approx(160.0) and m.itl.median == pytest.approx(100.0)
     # p90 at rank 3.6 -> 100 + 0.6 * 350; p99 at rank 3.96 -> 100 + 0.96 * 350.
     assert m.itl.p90 == pytest.approx(310.0) and m.itl.p99 == pytest.approx(436.0)
+    # p99.9 at rank 3.996 -> 100 + 0.996 * 350; the worst gap is the 450 ms stall.
+    assert m.itl.p999 == pytest.approx(448.6) and m.itl.max == pytest.approx(450.0)
     # E2E: 400, 800, 200 ms.
     assert m.e2el.mean == pytest.approx(1400.0 / 3) and m.e2el.median == pytest.approx(400.0)
 
