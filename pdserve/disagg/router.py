@@ -43,7 +43,6 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.disagg.policies import (
     DEFAULT_DECODE_POLICY,
@@ -52,7 +51,7 @@ from pdserve.disagg.policies import (
     Instance,
     make_policy,
 )
-from pdserve.server.protocol import APIError, bad_request
+from pdserve.server.protocol import APIError, add_error_handlers, bad_request
 
 logger = logging.getLogger(__name__)
 
@@ -783,10 +782,6 @@ class Router:
         return Response(_json.encode(body), 503 if missing else 200, media_type="application/json")
 
 
-def _json_response(body: Any, status: int, headers: dict[str, str] | None = None) -> Response:
-    return Response(_json.encode(body), status_code=status, media_type="application/json", headers=headers)
-
-
 def build_router_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
     """The router as an ASGI app. `transport` replaces the network for the upstream requests (tests).
     The router (instances, metrics) is `app.state.router`."""
@@ -804,20 +799,7 @@ def build_router_app(config: RouterConfig, transport: httpx.AsyncBaseTransport |
     app = FastAPI(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = router
 
-    @app.exception_handler(APIError)
-    async def on_api_error(request: Request, e: APIError) -> Response:
-        headers = {"Retry-After": "1"} if e.status == 503 else None
-        return _json_response(e.body(), e.status, headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(request: Request, e: StarletteHTTPException) -> Response:
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return _json_response(APIError(e.status_code, str(e.detail), kind).body(), e.status_code)
-
-    @app.exception_handler(Exception)
-    async def on_error(request: Request, e: Exception) -> Response:
-        logger.exception("unhandled error in %s", request.url.path)
-        return _json_response(APIError(500, f"internal router error: {e}", "server_error").body(), 500)
+    add_error_handlers(app, "router")
 
     @app.get("/health")
     async def health() -> Response:

@@ -35,7 +35,6 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.server.config import KEEP_ALIVE_S, ServerConfig
 from pdserve.server.engine_client import EngineClient, EngineDeadError, OverloadedError
@@ -47,6 +46,7 @@ from pdserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     LogprobFormatter,
+    add_error_handlers,
     bad_request,
     chat_message_dicts,
     check_unsupported,
@@ -345,20 +345,7 @@ def build_app(config: ServerConfig) -> FastAPI:
     app = FastAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
 
-    @app.exception_handler(APIError)
-    async def on_api_error(request: Request, e: APIError) -> Response:
-        headers = {"Retry-After": "1"} if e.status == 503 else None
-        return _json_response(e.body(), e.status, headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(request: Request, e: StarletteHTTPException) -> Response:
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return _json_response(APIError(e.status_code, str(e.detail), kind).body(), e.status_code)
-
-    @app.exception_handler(Exception)
-    async def on_error(request: Request, e: Exception) -> Response:
-        logger.exception("unhandled error in %s", request.url.path)
-        return _json_response(APIError(500, f"internal server error: {e}", "server_error").body(), 500)
+    add_error_handlers(app, "server")
 
     @app.get("/health")
     async def health() -> Response:

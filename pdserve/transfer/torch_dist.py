@@ -25,7 +25,7 @@ import torch.distributed as dist
 import zmq
 
 from pdserve.transfer.base import KVChunk, KVDone, KVFailed, KVLayout, TransferError
-from pdserve.transfer.zmq_transport import _decode, _encode, _In, _int_keys, _Out, _ZmqTransport
+from pdserve.transfer.zmq_transport import _encode, _In, _int_keys, _ZmqTransport
 
 _CONNECT_TIMEOUT = datetime.timedelta(seconds=10)
 
@@ -162,26 +162,15 @@ class TorchDistTransport(_ZmqTransport):
 
     # ---- decode side ---------------------------------------------------------------------------
     def poll_received(self) -> list[KVChunk | KVDone | KVFailed]:
-        while True:
-            try:
-                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
-            identity = frames[0].bytes
-            try:
-                header = _decode(frames[1].buffer)
-                kind, transfer_id = header[0], header[1]
-            except Exception:
-                continue
+        for identity, header, _ in self._messages():
+            kind, transfer_id = header[0], header[1]
             if kind == "hello":
                 group = self._in_groups[identity] = _Group()
                 group.build(dist.TCPStore(header[2], header[3], 2, False, timeout=_CONNECT_TIMEOUT), 1, self.device)
                 continue
-            rec = self._in.get(transfer_id)
+            rec = self._accept(identity, transfer_id)
             if rec is None:
-                self._reply(identity, transfer_id, False, "unknown or closed transfer")
                 continue
-            rec.identity = identity
             if kind == "done":
                 self._arrivals.append(_Arrival(identity, KVDone(transfer_id, header[2], _int_keys(header[3]))))
             elif kind == "chunk":

@@ -25,6 +25,7 @@ import secrets
 import tempfile
 import warnings
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import msgspec
@@ -160,27 +161,40 @@ class _ZmqTransport(KVTransport):
 
     def poll_received(self) -> list[KVChunk | KVDone | KVFailed]:
         events: list[KVChunk | KVDone | KVFailed] = []
+        for identity, header, payload in self._messages():
+            kind, transfer_id = header[0], header[1]
+            rec = self._accept(identity, transfer_id)
+            if rec is None:
+                continue
+            if kind == "done":
+                events.append(KVDone(transfer_id, header[2], _int_keys(header[3])))
+            elif kind == "chunk":
+                _, _, layer, start, n, crc = header[:6]
+                events.append(self._chunk_event(rec, transfer_id, layer, start, n, crc, payload))
+        return events
+
+    def _messages(self) -> Iterator[tuple[bytes, list, list[zmq.Frame]]]:
+        """(sender identity, decoded header, data frames) of every message waiting; garbage is skipped."""
         while True:
             try:
                 frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return events
-            identity = frames[0].bytes
+                return
             try:
                 header = _decode(frames[1].buffer)
-                kind, transfer_id = header[0], header[1]
-            except Exception:
+                header[0], header[1]  # noqa: B018 - a header has at least a kind and a transfer id
+            except Exception:  # never let a peer's garbage take the engine down
                 continue
-            rec = self._in.get(transfer_id)
-            if rec is None:
-                self._reply(identity, transfer_id, False, "unknown or closed transfer")
-                continue
-            rec.identity = identity
-            if kind == "done":
-                events.append(KVDone(transfer_id, header[2], _int_keys(header[3])))
-            elif kind == "chunk":
-                _, _, layer, start, n, crc = header
-                events.append(self._chunk_event(rec, transfer_id, layer, start, n, crc, frames[2:]))
+            yield frames[0].bytes, header, frames[2:]
+
+    def _accept(self, identity: bytes, transfer_id: str) -> _In | None:
+        """The open transfer a message belongs to (remembering who sends it), or None after refusing it."""
+        rec = self._in.get(transfer_id)
+        if rec is None:
+            self._reply(identity, transfer_id, False, "unknown or closed transfer")
+            return None
+        rec.identity = identity
+        return rec
 
     def _chunk_event(
         self, rec: _In, transfer_id: str, layer: int, start: int, n: int, crc: int | None, payload: list[zmq.Frame]
