@@ -288,7 +288,7 @@ class LLMEngine:
             out = self.runner.execute(sched, hook)
         except Exception as e:  # a failed step fails its requests, never the engine
             logger.exception("step failed; finishing its %d requests with an error", len(sched.scheduled))
-            return self._fail([s.req for s in sched.scheduled], f"engine step failed: {e}")
+            return transferred + self._fail([s.req for s in sched.scheduled], f"engine step failed: {e}")
         for req, lp in zip(sampling, out.logprobs):
             if lp is not None:
                 if req.logprobs is None:
@@ -302,7 +302,8 @@ class LLMEngine:
         if self.connector is not None:
             lost = [r for r in updated if r.remote_decode and not self.connector.finish_send(r)]
             if lost:  # their transfer failed during this step
-                updated = [r for r in updated if r not in lost]
+                lost_ids = {id(r) for r in lost}
+                updated = [r for r in updated if id(r) not in lost_ids]
                 transferred += self._fail(lost, "the KV transfer to the decode instance failed")
         results = self.outputs.process(updated, self.scheduler)
         for r in results:

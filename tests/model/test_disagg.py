@@ -243,3 +243,23 @@ def test_reservation_waits_for_blocks(tiny_weights, prompts):
     outs = generate_disaggregated(p, d, long, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == colocated(tiny_weights, long)
     assert_no_leaks(p, d)
+
+
+def test_a_failed_step_still_reports_finished_transfers(pair, prompts):
+    """A transfer acknowledged just before a step that fails must still finish its request (else its
+    client would wait forever)."""
+    p, d = pair()
+    _start(p, d, prompts[4])
+    p.step()  # prompt and first token sent
+    d.step()  # received and acknowledged
+    p.add_request(prompts[5], GREEDY, req_id="other")  # so that the next step runs the model
+
+    def boom(*_):
+        raise RuntimeError("simulated kernel failure")
+
+    p.runner.execute = boom  # type: ignore[method-assign]
+    outs = {o.request_id: o for o in p.step()}
+    assert outs["p0"].finished and outs["p0"].outputs[0].finish_reason == "length"
+    assert outs["other"].outputs[0].finish_reason == "error"
+    _run(d)
+    assert_no_leaks(p, d)
