@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import sys
 from collections.abc import Sequence
 
 logger = logging.getLogger(__name__)
@@ -65,17 +64,17 @@ def serve_cluster(spec: str, argv: Sequence[str], host: str, port: int, num_thre
             p.start()
         for p, role in zip(procs, roles):
             p.wait_ready()
-            print(f"{role} instance ready at {p.url} (pid {p.pid}, {threads} threads)", file=sys.stderr)
+            logger.info("%s instance ready at %s (pid %d, %d threads)", role, p.url, p.pid, threads)
         config = RouterConfig(
             prefill_urls=tuple(p.url for p, r in zip(procs, roles) if r == "prefill"),
             decode_urls=tuple(p.url for p, r in zip(procs, roles) if r == "decode"),
             host=host,
             port=port,
         )
-        print(f"router on http://{host}:{port} over {num_prefill} prefill + {num_decode} decode", file=sys.stderr)
+        logger.info("router on http://%s:%d over %d prefill + %d decode", host, port, num_prefill, num_decode)
         serve_router(config)
     except RuntimeError as e:  # an instance did not start: its log says why
-        print(f"error: {e}", file=sys.stderr)
+        logger.error("%s", e)
         return 1
     finally:
         for p in procs:

@@ -25,7 +25,7 @@ import logging
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +34,7 @@ import anyio
 import httpx
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -52,6 +52,7 @@ from pdserve.disagg.policies import (
     make_policy,
 )
 from pdserve.server.protocol import APIError, add_error_handlers, bad_request
+from pdserve.server.streaming import WatchedStream, wait_disconnect
 
 logger = logging.getLogger(__name__)
 
@@ -486,45 +487,6 @@ class _Exchange:
             self.router.release(self.decode, 0)
 
 
-class _ProxyStream(StreamingResponse):
-    """A streamed upstream body: stops as soon as the client leaves (even while waiting for upstream
-    bytes) and then always runs `on_close`, which closes the upstream requests."""
-
-    def __init__(
-        self,
-        content: AsyncIterator[bytes],
-        status_code: int,
-        media_type: str | None,
-        on_close: Callable[[], Awaitable[None]],
-    ) -> None:
-        super().__init__(content, status_code=status_code, media_type=media_type)
-        self._on_close = on_close
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-
-                async def stream() -> None:
-                    try:
-                        await self.stream_response(send)
-                    except OSError:
-                        pass  # the client went away between two events
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(stream)
-                await self.listen_for_disconnect(receive)
-                tg.cancel_scope.cancel()
-        finally:
-            await self._on_close()
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
 # ---- the router ----------------------------------------------------------------------------------
 
 
@@ -676,7 +638,7 @@ class Router:
             self.metrics.requests["rejected"].inc()
             raise
         work = asyncio.ensure_future(self._first_answer(path, body, num_tokens, arrival))
-        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        watcher = asyncio.ensure_future(wait_disconnect(request))
         try:
             await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -704,7 +666,7 @@ class Router:
             self.metrics.requests[ex.outcome or "cancelled"].inc()
 
         media_type = ex.d_resp.headers.get("content-type")
-        return _ProxyStream(content(), ex.d_resp.status_code, media_type, on_close)
+        return WatchedStream(content(), ex.d_resp.status_code, media_type, on_close=on_close)
 
     async def _first_answer(
         self, path: str, body: dict[str, Any], num_tokens: int, arrival: float

@@ -30,10 +30,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import anyio
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.server.config import KEEP_ALIVE_S, ServerConfig
@@ -55,6 +54,7 @@ from pdserve.server.protocol import (
     sampling_params,
     usage,
 )
+from pdserve.server.streaming import WatchedStream, wait_disconnect
 
 logger = logging.getLogger(__name__)
 
@@ -68,25 +68,6 @@ def _json_response(body: Any, status: int = 200, headers: dict[str, str] | None 
 
 def _sse(body: Any) -> bytes:
     return b"data: " + _json.encode(body) + b"\n\n"
-
-
-class _SSEResponse(StreamingResponse):
-    """A streaming response that always watches for the client leaving and then cancels the stream at
-    once, even while the stream waits for the engine (Starlette leaves that to the server for ASGI 2.4)."""
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        async with anyio.create_task_group() as tg:
-
-            async def stream() -> None:
-                try:
-                    await self.stream_response(send)
-                except OSError:
-                    pass  # the client went away between two events
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(stream)
-            await self.listen_for_disconnect(receive)
-            tg.cancel_scope.cancel()
 
 
 def served_model_name(config: ServerConfig, model_path: str) -> str:
@@ -289,13 +270,6 @@ class Server:
         )
 
 
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
 async def _collect(job: _Job, request: Request, server: Server, on_delta: Any) -> bool:
     """Feed every delta of `job` to `on_delta` until all choices finish. Returns False if the client left
     first (its requests are then aborted). Raises APIError if a request failed."""
@@ -312,7 +286,7 @@ async def _collect(job: _Job, request: Request, server: Server, on_delta: Any) -
                 remaining -= 1
 
     drainer = asyncio.ensure_future(drain())
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    watcher = asyncio.ensure_future(wait_disconnect(request))
     try:
         await asyncio.wait({drainer, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -427,7 +401,7 @@ def build_app(config: ServerConfig) -> FastAPI:
         if kv is not None and not kv.remote_decode:
             return await _after_reservation(server, job, kv, request, chat=False)
         if job.stream:
-            return _SSEResponse(_stream(server, job, chat=False), media_type="text/event-stream")
+            return WatchedStream(_stream(server, job, chat=False), media_type="text/event-stream")
         return await _respond(server, job, request, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -467,7 +441,7 @@ def build_app(config: ServerConfig) -> FastAPI:
         if kv is not None and not kv.remote_decode:
             return await _after_reservation(server, job, kv, request, chat=True)
         if job.stream:
-            return _SSEResponse(_stream(server, job, chat=True), media_type="text/event-stream")
+            return WatchedStream(_stream(server, job, chat=True), media_type="text/event-stream")
         return await _respond(server, job, request, chat=True)
 
     return app
@@ -582,7 +556,7 @@ async def _after_reservation(
     """A decode instance's answer to a remote-prefill request: headers as soon as its blocks are
     reserved (the router then starts the prefill), then the usual body."""
     got = asyncio.ensure_future(job.queue.get())
-    gone = asyncio.ensure_future(_wait_disconnect(request))
+    gone = asyncio.ensure_future(wait_disconnect(request))
     try:
         await asyncio.wait({got, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -609,8 +583,8 @@ async def _after_reservation(
     headers = {"x-pdserve-kv-reservation": _json.encode(reservation).decode()}
     if job.stream:
         body = _stream(server, job, chat)
-        return _SSEResponse(body, media_type="text/event-stream", headers=headers)
-    return _SSEResponse(_json_when_done(server, job, chat), media_type="application/json", headers=headers)
+        return WatchedStream(body, media_type="text/event-stream", headers=headers)
+    return WatchedStream(_json_when_done(server, job, chat), media_type="application/json", headers=headers)
 
 
 async def _json_when_done(server: Server, job: _Job, chat: bool) -> AsyncIterator[bytes]:

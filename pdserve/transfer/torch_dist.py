@@ -25,7 +25,7 @@ import torch.distributed as dist
 import zmq
 
 from pdserve.transfer.base import KVChunk, KVDone, KVFailed, KVLayout, TransferError
-from pdserve.transfer.zmq_transport import _encode, _In, _int_keys, _ZmqTransport
+from pdserve.transfer.zmq_transport import _encode, _In, _int_keys, _Out, _ZmqTransport
 
 _CONNECT_TIMEOUT = datetime.timedelta(seconds=10)
 
@@ -38,7 +38,7 @@ class _Group:
     error: str | None = None
     thread: threading.Thread | None = None
     next_tag: int = 0
-    pending: list[tuple[torch.Tensor, int, str]] = field(default_factory=list)  # sends before the group is up
+    pending: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # (kv, tag) sent before the group is up
     transfers: set[str] = field(default_factory=set)
     # (work, its tensor, called with None or an error once it is done); None stops the waiter
     works: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
@@ -122,22 +122,20 @@ class TorchDistTransport(_ZmqTransport):
             group.build(store, 0, self.device)
         group.transfers.add(transfer_id)
 
-    def send_chunk(self, transfer_id: str, layer: int, start: int, kv: torch.Tensor) -> None:
-        out = self._out.get(transfer_id)
-        if out is None:
-            return
+    def _chunk_data(self, out: _Out, layer: int, start: int, kv: torch.Tensor) -> tuple[tuple, list[memoryview]]:
+        """The data goes by the group (tagged); the header carries no CRC, only the tag."""
         group = self._out_groups[out.dest]
         tag = group.next_tag
         group.next_tag += 1
-        self._send(out, transfer_id, [_encode(("chunk", transfer_id, layer, start, kv.shape[2], None, tag))])
-        group.pending.append((kv.contiguous(), tag, transfer_id))
+        group.pending.append((kv.contiguous(), tag))
         self._flush(group)
+        return (None, tag), []
 
     def _flush(self, group: _Group) -> None:
         if group.pg is None:
             return
         try:
-            for kv, tag, _ in group.pending:
+            for kv, tag in group.pending:
                 group.watch(group.pg.send([kv], 1, tag), kv, _ignore)  # type: ignore[attr-defined]
         except RuntimeError as e:  # the peer's side of the group is gone: fail everything sent to it
             group.error = f"torch.distributed send failed: {e}"
@@ -175,15 +173,14 @@ class TorchDistTransport(_ZmqTransport):
                 self._arrivals.append(_Arrival(identity, KVDone(transfer_id, header[2], _int_keys(header[3]))))
             elif kind == "chunk":
                 _, _, layer, start, n, _, tag = header
-                self._arrivals.append(_Arrival(identity, self._chunk_slot(rec, transfer_id, layer, start, n), tag))
+                slot = self._chunk_event(rec, transfer_id, layer, start, n, None, [])  # empty until received
+                self._arrivals.append(_Arrival(identity, slot, tag))
         return self._ready_arrivals()
 
-    def _chunk_slot(self, rec: _In, transfer_id: str, layer: int, start: int, n: int) -> KVChunk | KVFailed:
+    def _chunk_tensor(self, rec: _In, layer: int, start: int, n: int, payload: list[zmq.Frame]) -> torch.Tensor:
+        """Where the chunk's receive will write (posted once the group is up)."""
         lay = self.layout
-        if not (0 <= layer < lay.num_layers and rec.start <= start and start + n <= rec.end and n > 0):
-            return KVFailed(transfer_id, f"chunk out of range: layer {layer}, tokens [{start}, {start + n})")
-        kv = torch.empty(2, lay.num_kv_heads, n, lay.head_dim, dtype=lay.dtype, device=self.device)
-        return KVChunk(transfer_id, layer, start, kv)
+        return torch.empty(2, lay.num_kv_heads, n, lay.head_dim, dtype=lay.dtype, device=self.device)
 
     def _ready_arrivals(self) -> list[KVChunk | KVDone | KVFailed]:
         """Post receives where the group is up, then hand out the arrivals whose data is in, in order."""

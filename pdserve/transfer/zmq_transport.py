@@ -25,6 +25,7 @@ import secrets
 import tempfile
 import warnings
 import zlib
+from abc import abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -112,9 +113,8 @@ class _ZmqTransport(KVTransport):
         out = self._out.get(transfer_id)
         if out is None:
             return  # failed or cancelled while the step ran
-        n = kv.shape[2]
-        crc, frames = self._chunk_data(out, layer, start, kv)
-        self._send(out, transfer_id, [_encode(("chunk", transfer_id, layer, start, n, crc)), *frames])
+        extra, frames = self._chunk_data(out, layer, start, kv)
+        self._send(out, transfer_id, [_encode(("chunk", transfer_id, layer, start, kv.shape[2], *extra)), *frames])
 
     def send_done(self, transfer_id: str, first_token: int, logprobs: dict[int, float] | None) -> None:
         out = self._out.get(transfer_id)
@@ -236,14 +236,17 @@ class _ZmqTransport(KVTransport):
     def _open_send_data(self, out: _Out, transfer_id: str) -> None:
         pass
 
-    def _chunk_data(self, out: _Out, layer: int, start: int, kv: torch.Tensor) -> tuple[int | None, list[memoryview]]:
-        raise NotImplementedError
+    @abstractmethod
+    def _chunk_data(self, out: _Out, layer: int, start: int, kv: torch.Tensor) -> tuple[tuple, list[memoryview]]:
+        """Put one chunk on its data path; returns (the header's last fields: its CRC32 or None first,
+        the frames to send after the header)."""
 
     def _open_receive_data(self, rec: _In, transfer_id: str) -> None:
         pass
 
+    @abstractmethod
     def _chunk_tensor(self, rec: _In, layer: int, start: int, n: int, payload: list[zmq.Frame]) -> torch.Tensor:
-        raise NotImplementedError
+        """The K/V of an arrived chunk, `[2, kv_heads, n, head_dim]`, from its data frames or buffer."""
 
     def _close_receive_data(self, rec: _In) -> None:
         pass
@@ -262,9 +265,9 @@ class TcpTransport(_ZmqTransport):
     def __init__(self, layout: KVLayout, host: str = "127.0.0.1", port: int = 0, verify: bool = True) -> None:
         super().__init__(layout, f"tcp://{host}:{port or '*'}", verify=True)
 
-    def _chunk_data(self, out: _Out, layer: int, start: int, kv: torch.Tensor) -> tuple[int | None, list[memoryview]]:
+    def _chunk_data(self, out: _Out, layer: int, start: int, kv: torch.Tensor) -> tuple[tuple, list[memoryview]]:
         data = tensor_bytes(kv)  # kv is the caller's fresh gather; ZMQ holds it until sent
-        return zlib.crc32(data), [data]
+        return (zlib.crc32(data),), [data]
 
     def _chunk_tensor(self, rec: _In, layer: int, start: int, n: int, payload: list[zmq.Frame]) -> torch.Tensor:
         lay = self.layout
@@ -304,11 +307,11 @@ class ShmTransport(_ZmqTransport):
         except OSError as e:
             raise TransferError(f"the receiver's KV buffer is not there ({e})") from None
 
-    def _chunk_data(self, out: _Out, layer: int, start: int, kv: torch.Tensor) -> tuple[int | None, list[memoryview]]:
+    def _chunk_data(self, out: _Out, layer: int, start: int, kv: torch.Tensor) -> tuple[tuple, list[memoryview]]:
         assert out.buffer is not None
         n = kv.shape[2]
         out.buffer[layer, :, :, start - out.start : start - out.start + n].copy_(kv)
-        return (zlib.crc32(tensor_bytes(kv)) if self.verify else None), []
+        return (zlib.crc32(tensor_bytes(kv)) if self.verify else None,), []
 
     def _open_receive_data(self, rec: _In, transfer_id: str) -> None:
         rec.path = self._buffer_path(self.address, transfer_id)

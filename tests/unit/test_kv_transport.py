@@ -97,8 +97,8 @@ def test_tcp_checksum_mismatch_fails_the_transfer():
         real = sender._chunk_data
 
         def corrupt(out, layer, start, kv):
-            crc, frames = real(out, layer, start, kv)
-            return crc ^ 1, frames
+            (crc,), frames = real(out, layer, start, kv)
+            return (crc ^ 1,), frames
 
         sender._chunk_data = corrupt  # type: ignore[method-assign]
         sender.send_chunk("t3", 0, 0, torch.ones(2, 2, 4, 8, dtype=torch.bfloat16))
