@@ -47,6 +47,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--slo-reject", action="store_true",
         help="slo: refuse (HTTP 503) requests predicted to miss their TTFT or to push decodes past the ITL",
     )
+    g.add_argument(
+        "--preemption-mode", default="recompute", choices=["recompute", "swap"],
+        help="when KV blocks run out: recompute the preempted request later, or swap its KV to host memory",
+    )
+    g.add_argument("--swap-space", type=float, default=4.0, help="swap: host-memory tier for KV, in GiB")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
     g.add_argument("--no-prefix-caching", action="store_true")
@@ -114,13 +119,16 @@ def engine_config(args: argparse.Namespace, num_threads: int | None = None):  # 
         attention_backend=args.attention_backend,
         fused_cpu_ops=not args.no_fused_ops,
         seed=args.seed,
-        cache=CacheConfig(args.block_size, None, args.kv_cache_memory_gb, not args.no_prefix_caching),
+        cache=CacheConfig(
+            args.block_size, None, args.kv_cache_memory_gb, not args.no_prefix_caching, args.swap_space
+        ),
         scheduler=SchedulerConfig(
             args.scheduler,
             args.max_num_batched_tokens,
             args.max_num_seqs,
             args.max_model_len,
             args.chunk_size,
+            args.preemption_mode,
             decode_priority_max_decodes=args.decode_priority_max_decodes,
             decode_priority_max_wait_steps=args.decode_priority_max_wait_steps,
             decode_priority_max_decode_steps=args.decode_priority_max_decode_steps,

@@ -41,6 +41,14 @@ class CacheConfig:
     num_blocks: int | None = None  # None: derived from kv_cache_memory_gb
     kv_cache_memory_gb: float = 2.0
     enable_prefix_caching: bool = True
+    swap_space_gb: float = 4.0  # host-memory tier for swapped-out KV (only with preemption_mode "swap")
+
+    def __post_init__(self) -> None:
+        if self.swap_space_gb < 0:
+            raise ValueError("swap_space_gb must be >= 0")
+
+
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +58,10 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_model_len: int = 2048
     chunk_size: int | None = None  # largest prompt chunk per request per step (None: the budget)
+    # When KV blocks run out, the most recently admitted running request gives its blocks up and is
+    # recomputed later ("recompute"), or its KV is copied to the host tier and back ("swap"; it falls
+    # back to recompute when the host tier is full).
+    preemption_mode: str = "recompute"
     # decode-priority: prefills pause while this many decodes run, or while the oldest decode has gone
     # more than max_wait_steps steps without a token; at most max_decode_steps such steps in a row.
     decode_priority_max_decodes: int = 64
@@ -71,6 +83,8 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ValueError("chunk_size must be >= 1")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"unknown preemption_mode {self.preemption_mode!r}; choose from {list(PREEMPTION_MODES)}")
         if self.decode_priority_max_decodes < 1 or self.decode_priority_max_decode_steps < 1:
             raise ValueError("decode_priority_max_decodes and decode_priority_max_decode_steps must be >= 1")
         if self.decode_priority_max_wait_steps < 0:

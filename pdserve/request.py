@@ -18,7 +18,8 @@ from pdserve.errors import InvalidRequestError
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PREEMPTED = "preempted"
+    PREEMPTED = "preempted"  # blocks freed, waiting to be recomputed
+    SWAPPED = "swapped"  # KV parked in the host tier, waiting to be copied back
     SENDING_KV = "sending_kv"
     WAITING_FOR_KV = "waiting_for_kv"
     FINISHED = "finished"
@@ -98,6 +99,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache at (last) admission
     block_ids: list[int] = field(default_factory=list)
+    host_block_ids: list[int] = field(default_factory=list)  # while swapped: where its KV waits on the host
     num_preemptions: int = 0
     # Disaggregation: this instance computes the prompt and the first token and the KV goes to a decode
     # instance (remote_decode), or the KV and first token come from a prefill instance (remote_prefill).

@@ -28,6 +28,8 @@ class LLM:
         max_num_seqs: int = 128,
         max_model_len: int = 2048,
         chunk_size: int | None = None,
+        preemption_mode: str = "recompute",
+        swap_space_gb: float = 4.0,
         block_size: int = 16,
         kv_cache_memory_gb: float = 2.0,
         num_blocks: int | None = None,
@@ -50,8 +52,10 @@ class LLM:
             attention_backend=attention_backend,
             fused_cpu_ops=fused_cpu_ops,
             seed=seed,
-            cache=CacheConfig(block_size, num_blocks, kv_cache_memory_gb, enable_prefix_caching),
-            scheduler=SchedulerConfig(scheduler, max_num_batched_tokens, max_num_seqs, max_model_len, chunk_size),
+            cache=CacheConfig(block_size, num_blocks, kv_cache_memory_gb, enable_prefix_caching, swap_space_gb),
+            scheduler=SchedulerConfig(
+                scheduler, max_num_batched_tokens, max_num_seqs, max_model_len, chunk_size, preemption_mode
+            ),
         )
         self.engine = LLMEngine(config, model_config=model_config, weights=weights, tokenizer=tokenizer)
 

@@ -26,7 +26,7 @@ from pdserve.config import EngineConfig, ModelConfig
 from pdserve.disagg.connector import KVConnector, RemoteDecode, RemotePrefill
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.errors import InvalidRequestError
-from pdserve.kv.block_manager import BlockManager
+from pdserve.kv.block_manager import BlockManager, HostBlockPool
 from pdserve.kv.cache import KVCache, kv_block_bytes
 from pdserve.model.llama import LlamaModel
 from pdserve.outputs import RequestOutput
@@ -116,9 +116,15 @@ class LLMEngine:
         )
         # A sequence can never outgrow the whole KV cache (it would preempt itself forever): cap it there.
         self.max_model_len = min(self.max_model_len, num_blocks * cc.block_size)
-        self.kv_cache = KVCache(model_config, num_blocks, cc.block_size, self.dtype, self.device)
+        num_host_blocks = 0
+        if sc.preemption_mode == "swap":
+            num_host_blocks = int(cc.swap_space_gb * (1 << 30)) // kv_block_bytes(model_config, cc.block_size, self.dtype)
+            if num_host_blocks < 1:
+                raise ValueError('preemption_mode "swap" needs swap_space_gb large enough for one KV block')
+        self.kv_cache = KVCache(model_config, num_blocks, cc.block_size, self.dtype, self.device, num_host_blocks)
         self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
-        self.scheduler = Scheduler(sc, self.block_manager, make_policy(sc.policy, sc))
+        host_pool = HostBlockPool(num_host_blocks) if num_host_blocks else None
+        self.scheduler = Scheduler(sc, self.block_manager, make_policy(sc.policy, sc), host_pool)
         attn = self._make_attention(config.attention_backend)
         attn.warmup(self.kv_cache.layers[0][0], model_config.num_heads)
         self.runner = ModelRunner(self.model, self.kv_cache, attn, self.device, config.seed)
@@ -134,9 +140,10 @@ class LLMEngine:
         self._remote_prefill: dict[str, RemotePrefill] = {}  # waiting for their blocks to be reserved
         self._ids = itertools.count()
         logger.info(
-            "engine ready in %.1fs: %s, %s on %s, %d KV blocks x %d tokens (%.2f GiB), policy %s, attention %s",
+            "engine ready in %.1fs: %s, %s on %s, %d KV blocks x %d tokens (%.2f GiB), %d host blocks, "
+            "policy %s, preemption %s, attention %s",
             time.perf_counter() - t0, self.model_name, self.dtype, self.device, num_blocks, cc.block_size,
-            self.kv_cache.nbytes / (1 << 30), sc.policy, attn.name,
+            self.kv_cache.nbytes / (1 << 30), num_host_blocks, sc.policy, sc.preemption_mode, attn.name,
         )
 
     def _make_attention(self, name: str) -> AttentionBackend:
@@ -278,6 +285,7 @@ class LLMEngine:
         start = time.monotonic()
         transferred = self._poll_transfers() if self.connector is not None else []
         sched = self.scheduler.schedule()
+        self.kv_cache.swap(sched.swap_in, sched.swap_out)
         if sched.is_empty:
             return transferred
         sampling = [s.req for s in sched.scheduled if s.samples]

@@ -174,3 +174,37 @@ class BlockManager:
         assert all(self.block_hashes[b] is None for b in self._free_uncached), "a cached block on the uncached heap"
         for h, b in self._cached.items():
             assert self.block_hashes[b] == h
+
+
+class HostBlockPool:
+    """Blocks of the host-memory tier that swapped-out requests park their KV in (`preemption_mode`
+    "swap"). Only whole requests move, so this is a free list and nothing more: no sharing, no prefix
+    cache. Lowest ids first, like the device cache, so a request's host blocks stay close together."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError("the host tier needs at least one block")
+        self.num_blocks = num_blocks
+        self._free: list[int] = list(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def allocate(self, num_blocks: int) -> list[int] | None:
+        """`num_blocks` free host blocks, or None (and nothing taken) when there are not that many."""
+        if num_blocks > len(self._free):
+            return None
+        return [heapq.heappop(self._free) for _ in range(num_blocks)]
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        for b in block_ids:
+            heapq.heappush(self._free, b)
+
+    def check_invariants(self, held: Sequence[Sequence[int]]) -> None:
+        """Every host block is either free or held by exactly one swapped request."""
+        taken = [b for ids in held for b in ids]
+        assert len(set(taken)) == len(taken), "a host block held twice"
+        assert not set(taken) & set(self._free), "a held host block is on the free list"
+        assert len(set(self._free)) == len(self._free), "a host block is free twice"
+        assert len(taken) + len(self._free) == self.num_blocks, "host blocks leaked"

@@ -7,9 +7,14 @@ policy decides the order in which requests are offered the budget and whether ne
 
 Flow of a request: `add_request` -> waiting -> (admitted: blocks allocated, prefix cache consulted) ->
 running -> `update_from_output` appends sampled tokens and checks token-level stops -> finished (blocks
-freed). When blocks run out, the most recently admitted running request is preempted: its blocks are
-freed and it goes back to the front of the queue to be recomputed (its full blocks usually survive in the
-prefix cache, so recomputation is cheap).
+freed). When blocks run out, the most recently admitted running request is preempted. With
+`preemption_mode="recompute"` its blocks are freed and it goes back to the front of the queue to be
+recomputed (its full blocks usually survive in the prefix cache, so recomputation is cheap). With "swap"
+its computed KV is copied to host blocks (`SchedulerOutput.swap_out`) and it waits in `swapped`; at the
+start of a later step, oldest first and before any new admission, it gets device blocks again and its KV
+is copied back (`swap_in`), keeping every computed token. The executor applies `swap_in` before
+`swap_out` and both before the forward: host blocks freed by a swap-in and device blocks freed by a
+swap-out may be handed out again in the same step.
 
 Disaggregation adds two waiting rooms outside `running`, both holding blocks: `sending` (a prefill
 instance computed the prompt and first token; the KV is on its way to a decode instance) and `receiving`
@@ -26,7 +31,7 @@ from dataclasses import dataclass, field, replace
 
 from pdserve.config import SchedulerConfig
 from pdserve.errors import SLORejectedError
-from pdserve.kv.block_manager import BlockManager
+from pdserve.kv.block_manager import BlockManager, HostBlockPool
 from pdserve.request import FinishReason, Request, RequestStatus
 from pdserve.scheduler.policies import Policy, StepPlan
 from pdserve.scheduler.step_model import StepTimeModel
@@ -51,21 +56,39 @@ class SchedulerOutput:
     num_prefill_tokens: int = 0  # tokens of requests still in their prompt (or recomputing)
     num_decode_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
+    # KV copies to run before the forward, swap_in first: (host block, device block) and
+    # (device block, host block) pairs.
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
+        """Nothing to run (there may still be KV copies to apply)."""
         return not self.scheduled
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, policy: Policy) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        policy: Policy,
+        host_pool: HostBlockPool | None = None,
+    ) -> None:
+        """`host_pool`: the host tier's blocks, required when `config.preemption_mode` is "swap"."""
+        if config.preemption_mode == "swap" and host_pool is None:
+            raise ValueError('preemption_mode "swap" needs a host tier (swap space > 0)')
         self.config = config
         self.block_manager = block_manager
         self.policy = policy
+        self.host_pool = host_pool if config.preemption_mode == "swap" else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()  # oldest swap first
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_swapped_out_blocks = 0  # cumulative
+        self.num_swapped_in_blocks = 0
         self.sending: dict[str, Request] = {}  # prefilled here, blocks held until the KV transfer ends
         self.receiving: dict[str, Request] = {}  # blocks reserved, KV and first token on their way here
         self.to_reserve: deque[Request] = deque()  # remote-prefill requests waiting for blocks to reserve
@@ -103,13 +126,17 @@ class Scheduler:
         elif req.status is RequestStatus.WAITING_FOR_KV:
             if self.receiving.pop(req_id, None) is None:
                 self.to_reserve.remove(req)
+        elif req.status is RequestStatus.SWAPPED:
+            self.swapped.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self._finish(req, reason, stop_reason)
         return req
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self.sending or self.receiving or self.to_reserve)
+        return bool(
+            self.waiting or self.running or self.swapped or self.sending or self.receiving or self.to_reserve
+        )
 
     # ---- disaggregation ------------------------------------------------------------------------
     def reserve(self) -> list[Request]:
@@ -164,6 +191,10 @@ class Scheduler:
         return len(self.running)
 
     @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
+    @property
     def step_model(self) -> StepTimeModel | None:
         """The policy's step-time model, if it keeps one (`slo`)."""
         return getattr(self.policy, "step_model", None)
@@ -178,22 +209,52 @@ class Scheduler:
 
     # ---- step ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        swap_in = self._swap_in() if self.swapped else []
         for plan in self.policy.plan(self.running, self.waiting):
-            out = self._schedule(plan)
+            out = self._schedule(plan, swap_in)
             if out.scheduled or out.preempted:
                 return out
-        return SchedulerOutput()
+        return SchedulerOutput(swap_in=swap_in)
 
-    def _schedule(self, plan: StepPlan) -> SchedulerOutput:
+    def _swap_in(self) -> list[tuple[int, int]]:
+        """Bring swapped requests back, oldest first, while sequence slots last and device blocks cover
+        their KV and next token and still leave every running decode the block its next token may need
+        (otherwise the request would be swapped straight out again). They rejoin `running` in arrival
+        order, so the newest request stays the next victim. Returns the (host block, device block)
+        copies to make."""
+        bm = self.block_manager
+        assert self.host_pool is not None
+        copies: list[tuple[int, int]] = []
+        headroom = sum(max(0, bm.num_blocks_for(r.num_tokens) - len(r.block_ids)) for r in self.running if r.is_decode)
+        while self.swapped and len(self.running) < self.config.max_num_seqs:
+            req = self.swapped[0]
+            if bm.num_blocks_for(req.num_computed_tokens + 1) + headroom > bm.num_free_blocks:
+                break
+            if not bm.allocate_slots(req, req.num_computed_tokens + 1):
+                break
+            self.swapped.popleft()
+            copies.extend(zip(req.host_block_ids, req.block_ids))
+            self.num_swapped_in_blocks += len(req.host_block_ids)
+            self.host_pool.free(req.host_block_ids)
+            req.host_block_ids = []
+            req.status = RequestStatus.RUNNING
+            i = len(self.running)
+            while i > 0 and self.running[i - 1].arrival_time > req.arrival_time:
+                i -= 1
+            self.running.insert(i, req)
+            bm.cache_full_blocks(req)
+        return copies
+
+    def _schedule(self, plan: StepPlan, swap_in: list[tuple[int, int]]) -> SchedulerOutput:
         budget = plan.token_budget if plan.token_budget is not None else self.config.max_num_batched_tokens
-        out = SchedulerOutput()
+        out = SchedulerOutput(swap_in=list(swap_in))
         chunk_cap = self.config.chunk_size or budget
         if plan.max_prefill_tokens is not None:
             budget = self._schedule_running(replace(plan, run_prefills=False), budget, chunk_cap, out)
             budget = min(budget, plan.max_prefill_tokens)
         if plan.running_first:
             budget = self._schedule_running(plan, budget, chunk_cap, out)
-        if plan.admit:
+        if plan.admit and not self.swapped:  # swapped requests come back before anything new
             if plan.admit_order is not None:
                 self._reorder_waiting(plan.admit_order)
             budget = self._admit_waiting(plan, budget, chunk_cap, out)
@@ -288,14 +349,26 @@ class Scheduler:
             out.num_prefill_tokens += n
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Take `req`'s device blocks: swap its computed KV out when the host tier has room, otherwise
+        recompute it later."""
+        bm = self.block_manager
         self.running.remove(req)
-        self.block_manager.free(req)
-        req.num_computed_tokens = 0
         req.num_preemptions += 1
-        req.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(req)
         self.num_preemptions += 1
         out.preempted.append(req)
+        num_kv_blocks = bm.num_blocks_for(req.num_computed_tokens)
+        host = self.host_pool.allocate(num_kv_blocks) if self.host_pool is not None and num_kv_blocks else None
+        if host is not None:
+            out.swap_out.extend(zip(req.block_ids, host))
+            self.num_swapped_out_blocks += num_kv_blocks
+            req.host_block_ids = host
+            req.status = RequestStatus.SWAPPED
+            self.swapped.append(req)
+        else:
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(req)
+        bm.free(req)
 
     # ---- after the forward ---------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled: Iterable[int]) -> list[Request]:
@@ -348,4 +421,8 @@ class Scheduler:
         req.stop_reason = stop_reason
         req.finished_time = time.monotonic()
         self.block_manager.free(req)
+        if req.host_block_ids:
+            assert self.host_pool is not None
+            self.host_pool.free(req.host_block_ids)
+            req.host_block_ids = []
         self.requests.pop(req.req_id, None)

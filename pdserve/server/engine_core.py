@@ -240,20 +240,7 @@ class EngineCore:
                 )
             )
         engine = self.engine
-        bm = engine.block_manager
-        policy = engine.scheduler.policy
-        slo = policy if isinstance(policy, SLOAware) else None
-        stats = EngineStats(
-            engine.scheduler.num_running,
-            engine.scheduler.num_waiting,
-            bm.usage,
-            engine.scheduler.num_preemptions,
-            bm.num_prefix_hit_tokens,
-            bm.num_prefix_queried_tokens,
-            slo.step_model.coefficients if slo is not None else None,
-            slo.num_ttft_violations_predicted if slo is not None else 0,
-            slo.num_rejected if slo is not None else 0,
-        )
+        stats = engine_stats(engine)
         transfers = [
             TransferStats(r.direction, r.ok, r.num_tokens, r.num_bytes, r.duration)
             for r in (engine.connector.take_records() if engine.connector is not None else [])
@@ -262,3 +249,23 @@ class EngineCore:
 
     def _send(self, msg: Ready | EngineOutputs) -> None:
         self._output.send(self._encoder.encode(msg), copy=False)
+
+
+def engine_stats(engine: LLMEngine) -> EngineStats:
+    """The engine's gauges and cumulative counters as sent to the front with every output message."""
+    sched, bm = engine.scheduler, engine.block_manager
+    slo = sched.policy if isinstance(sched.policy, SLOAware) else None
+    return EngineStats(
+        sched.num_running,
+        sched.num_waiting,
+        bm.usage,
+        sched.num_preemptions,
+        bm.num_prefix_hit_tokens,
+        bm.num_prefix_queried_tokens,
+        slo.step_model.coefficients if slo is not None else None,
+        slo.num_ttft_violations_predicted if slo is not None else 0,
+        slo.num_rejected if slo is not None else 0,
+        sched.num_swapped,
+        sched.num_swapped_out_blocks,
+        sched.num_swapped_in_blocks,
+    )

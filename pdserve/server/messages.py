@@ -86,6 +86,10 @@ class EngineStats(msgspec.Struct, array_like=True):
     step_model_coefficients: tuple[float, float, float, float] | None = None
     num_ttft_violations_predicted: int = 0
     num_slo_rejected: int = 0
+    # Swap preemption: requests whose KV waits in the host tier now, and cumulative blocks copied.
+    num_swapped: int = 0
+    num_swapped_out_blocks: int = 0
+    num_swapped_in_blocks: int = 0
 
 
 class TransferStats(msgspec.Struct, array_like=True):

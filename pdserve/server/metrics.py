@@ -136,6 +136,15 @@ class ServerMetrics:
         self.prompt_tokens = counter("pdserve:prompt_tokens", "Prompt tokens of requests that started.")
         self.generation_tokens = counter("pdserve:generation_tokens", "Output tokens delivered.")
         self.preemptions = counter("pdserve:preemptions", "Requests preempted by the scheduler.")
+        self.num_swapped = gauge(
+            "pdserve:num_requests_swapped", "Preempted requests whose KV waits in the host tier."
+        )
+        swap_blocks = Counter(
+            "pdserve:kv_swap_blocks", "KV blocks copied to (out) or back from (in) the host tier.",
+            ["model_name", "direction"], registry=r,
+        )
+        self.swap_out_blocks = swap_blocks.labels(model_name, "out")
+        self.swap_in_blocks = swap_blocks.labels(model_name, "in")
         self.prefix_hit_tokens = counter(
             "pdserve:prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache."
         )
@@ -211,6 +220,9 @@ class ServerMetrics:
         self.num_waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
         self.preemptions.inc(max(0, stats.num_preemptions - last.num_preemptions))
+        self.num_swapped.set(stats.num_swapped)
+        self.swap_out_blocks.inc(max(0, stats.num_swapped_out_blocks - last.num_swapped_out_blocks))
+        self.swap_in_blocks.inc(max(0, stats.num_swapped_in_blocks - last.num_swapped_in_blocks))
         self.prefix_hit_tokens.inc(max(0, stats.num_prefix_hit_tokens - last.num_prefix_hit_tokens))
         self.prefix_queried_tokens.inc(
             max(0, stats.num_prefix_queried_tokens - last.num_prefix_queried_tokens)

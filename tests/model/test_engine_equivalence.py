@@ -74,6 +74,35 @@ def test_preemption_keeps_output(make_tiny_llm, prompts, reference, policy):
     assert llm.engine.block_manager.num_free_blocks == 40
 
 
+@pytest.mark.parametrize("policy", ["prefill-first", "chunked", "decode-priority", "slo"])
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_swap_preemption_keeps_output(make_tiny_llm, prompts, reference, policy, prefix_caching):
+    """Preempted requests' KV goes to the host tier and back: same tokens, and nothing recomputed."""
+    llm = make_tiny_llm(
+        num_blocks=40, scheduler=policy, max_num_batched_tokens=64, preemption_mode="swap", swap_space_gb=0.01,
+        enable_prefix_caching=prefix_caching,
+    )
+    engine = llm.engine
+    assert _tokens(llm, prompts) == reference
+    s = engine.scheduler
+    assert s.num_preemptions > 0 and s.num_swapped_out_blocks > 0
+    assert s.num_swapped_in_blocks == s.num_swapped_out_blocks
+    if not prefix_caching:  # every token computed exactly once: the swapped KV was used, not recomputed
+        computed = sum(r.num_prefill_tokens + r.num_decode_tokens for r in engine.step_records)
+        assert computed == sum(len(p) + GREEDY.max_tokens - 1 for p in prompts)
+    assert engine.block_manager.num_free_blocks == 40
+    assert s.host_pool is not None and s.host_pool.num_free_blocks == s.host_pool.num_blocks
+
+
+def test_swap_preemption_keeps_seeded_sampling(make_tiny_llm, prompts):
+    params = SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=20, ignore_eos=True)
+    roomy = _tokens(make_tiny_llm(), prompts, params)
+    llm = make_tiny_llm(num_blocks=40, scheduler="chunked", max_num_batched_tokens=64, preemption_mode="swap",
+                        swap_space_gb=0.01)
+    assert _tokens(llm, prompts, params) == roomy
+    assert llm.engine.scheduler.num_swapped_out_blocks > 0
+
+
 def test_no_blocks_leak_after_generation(make_tiny_llm, prompts):
     llm = make_tiny_llm(num_blocks=64)
     _tokens(llm, prompts)

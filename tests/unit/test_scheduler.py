@@ -1,9 +1,10 @@
-"""Scheduler: the token budget, admission order, preemption, aborts and token-level stops, driven by a
-fake runner (no model). Pure Python: no torch here.
+"""Scheduler: the token budget, admission order, preemption (recompute and swap), aborts and token-level
+stops, driven by a fake runner (no model). Pure Python: no torch here.
 
-The fake runner keeps a model of what each KV slot holds, so a step that reads K/V nobody computed
-(a bad prefix hit, a block given to two requests, a lost recomputation) fails, and it samples a token
-that depends on the whole sequence, so a lost or duplicated output token changes every later one.
+The fake runner keeps a model of what each KV slot holds, on the device and in the host tier, so a step
+that reads K/V nobody computed (a bad prefix hit, a block given to two requests, a lost recomputation, a
+swap copied from or to the wrong block or in the wrong order) fails, and it samples a token that depends
+on the whole sequence, so a lost or duplicated output token changes every later one.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.config import SchedulerConfig
-from pdserve.kv.block_manager import BlockManager
+from pdserve.kv.block_manager import BlockManager, HostBlockPool
 from pdserve.request import FinishReason, Request, RequestStatus, SamplingParams
 from pdserve.scheduler.policies import make_policy
 from pdserve.scheduler.scheduler import Scheduler, SchedulerOutput
@@ -35,11 +36,15 @@ def make_scheduler(
     block_size: int = 4,
     chunk_size: int | None = None,
     prefix_caching: bool = True,
+    num_host_blocks: int = 0,
 ) -> Scheduler:
+    """`num_host_blocks` > 0: preemption swaps to a host tier of that many blocks."""
     config = SchedulerConfig(
-        policy=policy, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, chunk_size=chunk_size
+        policy=policy, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, chunk_size=chunk_size,
+        preemption_mode="swap" if num_host_blocks else "recompute",
     )
-    return Scheduler(config, BlockManager(num_blocks, block_size, prefix_caching), make_policy(policy))
+    host = HostBlockPool(num_host_blocks) if num_host_blocks else None
+    return Scheduler(config, BlockManager(num_blocks, block_size, prefix_caching), make_policy(policy), host)
 
 
 def make_req(
@@ -76,15 +81,19 @@ class Driver:
     sched: Scheduler
     sample: Callable[[Request], int] = lambda req: model_token(req.all_token_ids())
     slots: dict[int, tuple[int, ...]] = field(default_factory=dict)  # slot -> prefix whose K/V it holds
+    host_slots: dict[int, tuple[int, ...]] = field(default_factory=dict)  # the same for the host tier
     first_scheduled: list[str] = field(default_factory=list)  # req ids in the order first scheduled
     outputs: list[SchedulerOutput] = field(default_factory=list)
     num_preempted: int = 0
+    num_swapped_out: int = 0
+    num_swapped_in: int = 0
 
     def step(self, abort_in_flight: Callable[[SchedulerOutput], None] | None = None) -> SchedulerOutput:
         sched = self.sched
         bm, cfg = sched.block_manager, sched.config
         was_running = {id(r) for r in sched.running}
         was_waiting = {id(r) for r in sched.waiting}
+        was_swapped = list(sched.swapped)
         # Decoding: the prompt is done and only the latest sampled token is left to compute.
         decoding = [
             r for r in sched.running if not r.is_prefill and r.num_computed_tokens == r.num_tokens - 1
@@ -114,12 +123,25 @@ class Driver:
             if r.req_id not in self.first_scheduled:
                 self.first_scheduled.append(r.req_id)
         assert (out.num_prefill_tokens, out.num_decode_tokens) == (num_prefill, num_decode), "accounting"
+        swapped_in = [r for r in was_swapped if r.status is not RequestStatus.SWAPPED or id(r) in preempted]
+        assert was_swapped[: len(swapped_in)] == swapped_in, "swapped requests came back out of order"
+        still_swapped = [r for r in was_swapped if r.status is RequestStatus.SWAPPED and id(r) not in preempted]
+        assert not still_swapped or not any(id(r) in was_waiting for r in reqs), "admitted before a swap-in"
+        assert len(out.swap_in) == sum(bm.num_blocks_for(r.num_computed_tokens) for r in swapped_in)
+        num_swap_out = 0
         for r in out.preempted:
-            assert id(r) in was_running
-            if id(r) not in scheduled:  # (a victim may come straight back through the prefix cache)
+            assert id(r) in was_running or r in swapped_in
+            if r.status is RequestStatus.SWAPPED:
+                assert sched.host_pool is not None and any(w is r for w in sched.swapped)
+                assert r.block_ids == [] and len(r.host_block_ids) == bm.num_blocks_for(r.num_computed_tokens) > 0
+                num_swap_out += len(r.host_block_ids)
+            elif id(r) not in scheduled:  # (a victim may come straight back through the prefix cache)
                 assert r.status is RequestStatus.PREEMPTED and any(w is r for w in sched.waiting)
                 assert r.block_ids == [] and r.num_computed_tokens == 0
+        assert len(out.swap_out) == num_swap_out
         self.num_preempted += len(out.preempted)
+        self.num_swapped_out += len(out.swap_out)
+        self.num_swapped_in += len(out.swap_in)
 
         if sched.policy.name == "chunked":
             if len(decoding) <= cfg.max_num_batched_tokens:
@@ -138,6 +160,7 @@ class Driver:
                 if id(s.req) in was_waiting and left <= cfg.max_num_batched_tokens:
                     assert s.num_new_tokens == left, "prefill-first split a prompt that fits the budget"
 
+        self._swap(out)
         self._forward(out)
         if abort_in_flight is not None:
             abort_in_flight(out)
@@ -145,8 +168,23 @@ class Driver:
         sched.update_from_output(out, sampled)
         bm.check_invariants(sched.running)
         assert all(not r.block_ids for r in sched.waiting)
+        assert all(not r.host_block_ids for r in [*sched.waiting, *sched.running]), "host blocks kept"
+        if sched.host_pool is not None:
+            sched.host_pool.check_invariants([r.host_block_ids for r in sched.swapped])
         self.outputs.append(out)
         return out
+
+    def _swap(self, out: SchedulerOutput) -> None:
+        """What `KVCache.swap` does, on the slot model: swap-ins first, then swap-outs."""
+        bs = self.sched.block_manager.block_size
+        for src_tier, dst_tier, pairs in ((self.host_slots, self.slots, out.swap_in), (self.slots, self.host_slots, out.swap_out)):
+            for src, dst in pairs:
+                for o in range(bs):
+                    content = src_tier.get(src * bs + o)
+                    if content is None:
+                        dst_tier.pop(dst * bs + o, None)
+                    else:
+                        dst_tier[dst * bs + o] = content
 
     def _forward(self, out: SchedulerOutput) -> None:
         bm = self.sched.block_manager
@@ -167,7 +205,7 @@ class Driver:
             if not self.sched.has_unfinished_requests():
                 return
             out = self.step()
-            assert out.scheduled or out.preempted, "stuck: unfinished requests but nothing scheduled"
+            assert out.scheduled or out.preempted or out.swap_in, "stuck: unfinished requests but nothing scheduled"
         raise AssertionError("did not finish")
 
 
@@ -177,6 +215,8 @@ def assert_all_freed(sched: Scheduler) -> None:
     bm.check_invariants([])
     assert bm.num_free_blocks == bm.num_blocks
     assert not bm._req_hashes, "per-request prefix-cache state leaked"
+    if sched.host_pool is not None:
+        sched.host_pool.check_invariants([])
 
 
 # ---- random workloads ------------------------------------------------------------------------------
@@ -192,6 +232,7 @@ class Workload:
     prefix_caching: bool
     arrivals: list[tuple[int, list[int], int]]  # (step, prompt, max_tokens), in arrival order
     aborts: list[tuple[int, int, bool]]  # (step, index into arrivals, while its step is in flight)
+    num_host_blocks: int = 0  # > 0: preemption swaps
 
 
 @st.composite
@@ -231,6 +272,7 @@ def run_workload(policy: str, w: Workload, seed: int) -> Driver:
         block_size=w.block_size,
         chunk_size=w.chunk_size,
         prefix_caching=w.prefix_caching,
+        num_host_blocks=w.num_host_blocks,
     )
     rng = random.Random(seed)
     driver = Driver(sched, sample=lambda req: rng.randrange(4))  # EOS included: ignore_eos must hold
@@ -254,7 +296,7 @@ def run_workload(policy: str, w: Workload, seed: int) -> Driver:
                 break
             continue
         out = driver.step(lambda out: [abort(i) for i in in_flight])
-        assert out.scheduled or out.preempted, "stuck: unfinished requests but nothing scheduled"
+        assert out.scheduled or out.preempted or out.swap_in, "stuck: unfinished requests but nothing scheduled"
     else:
         raise AssertionError("did not finish")
 
@@ -279,6 +321,15 @@ WORKLOAD_SETTINGS = settings(max_examples=150, deadline=None, suppress_health_ch
 @WORKLOAD_SETTINGS
 @given(w=workloads(), seed=st.integers(0, 2**16))
 def test_random_workloads(policy: str, w: Workload, seed: int) -> None:
+    run_workload(policy, w, seed)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@WORKLOAD_SETTINGS
+@given(w=workloads(), num_host_blocks=st.integers(1, 24), seed=st.integers(0, 2**16))
+def test_random_workloads_swap(policy: str, w: Workload, num_host_blocks: int, seed: int) -> None:
+    """The same workloads with a host tier, from one block (mostly recompute) to plenty."""
+    w.num_host_blocks = num_host_blocks
     run_workload(policy, w, seed)
 
 
@@ -510,6 +561,97 @@ def test_preempted_request_goes_back_to_the_front_of_the_queue() -> None:
     assert list(sched.waiting) == [b, c]
     d.run()
     assert_all_freed(sched)
+
+
+# ---- swap to the host tier -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_seeded_workloads_swap_out_and_back(policy: str) -> None:
+    """Fixed seeds, tight caches and a host tier: requests really are swapped out and back (the driver
+    checks every copy against its model of both tiers), and everything finishes with no block leaked."""
+    rng = random.Random(4321)
+    swapped_out = swapped_in = 0
+    for _ in range(30):
+        block_size = rng.choice([1, 2, 4])
+        arrivals = []
+        for i in range(rng.randint(3, 8)):
+            prompt = [rng.randint(1, 3) for _ in range(rng.randint(1, 20))]
+            arrivals.append((i // 2, prompt, rng.randint(1, 12)))
+        min_blocks = max(-(-(len(p) + m) // block_size) for _, p, m in arrivals)
+        budget = rng.randint(4, 24)
+        w = Workload(
+            block_size, min_blocks + rng.randint(0, 4), budget, rng.randint(2, 6),
+            rng.choice([None, rng.randint(1, budget)]), rng.random() < 0.5, arrivals, [], num_host_blocks=64,
+        )
+        d = run_workload(policy, w, rng.randrange(2**16))
+        swapped_out += d.num_swapped_out
+        swapped_in += d.num_swapped_in
+    assert swapped_out > 0 and swapped_in == swapped_out
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_swap_never_recomputes(policy: str) -> None:
+    """With room on the host, a preempted request keeps every computed token: each token of each
+    sequence is computed exactly once (no prefix cache to hide a recomputation)."""
+    sched = make_scheduler(
+        policy, budget=8, num_blocks=10, block_size=2, max_num_seqs=4, prefix_caching=False, num_host_blocks=32
+    )
+    d = Driver(sched)
+    prompts = [[1, 2, 3], [2, 3], [3, 1, 2, 1], [1, 1]]
+    reqs = [make_req(f"r{i}", p, max_tokens=8) for i, p in enumerate(prompts)]
+    for r in reqs:
+        sched.add_request(r)
+    d.run()
+    assert d.num_swapped_out > 0 and sum(r.num_preemptions for r in reqs) > 0
+    assert sum(out.num_batched_tokens for out in d.outputs) == sum(len(p) + 8 - 1 for p in prompts)
+    for r, p in zip(reqs, prompts):
+        assert r.output_token_ids == expected_output(p, 8)
+    assert_all_freed(sched)
+
+
+def test_swap_falls_back_to_recompute_when_the_host_tier_is_full() -> None:
+    sched = make_scheduler(
+        "chunked", budget=16, num_blocks=4, block_size=2, max_num_seqs=2, prefix_caching=False, num_host_blocks=1
+    )
+    d = Driver(sched)
+    a, b = make_req("a", [1, 2, 3], max_tokens=5), make_req("b", [2, 2, 3], max_tokens=5)
+    sched.add_request(a)
+    sched.add_request(b)
+    while not d.outputs or not d.outputs[-1].preempted:
+        d.step()
+    assert d.outputs[-1].preempted == [b]  # 2 blocks of KV, 1 host block: recomputed
+    assert b.status is RequestStatus.PREEMPTED and list(sched.waiting) == [b] and not sched.swapped
+    d.run()
+    assert b.output_token_ids == expected_output([2, 2, 3], 5)
+    assert_all_freed(sched)
+
+
+def test_abort_a_swapped_request_frees_its_host_blocks() -> None:
+    sched = make_scheduler(
+        "chunked", budget=16, num_blocks=4, block_size=2, max_num_seqs=2, prefix_caching=False, num_host_blocks=8
+    )
+    d = Driver(sched)
+    a, b = make_req("a", [1, 2, 3], max_tokens=5), make_req("b", [2, 2, 3], max_tokens=5)
+    sched.add_request(a)
+    sched.add_request(b)
+    while not sched.swapped:
+        d.step()
+    assert list(sched.swapped) == [b] and b.host_block_ids and b.num_computed_tokens > 0
+    assert sched.host_pool is not None and sched.host_pool.num_free_blocks == 8 - len(b.host_block_ids)
+    assert sched.finish_request("b", FinishReason.ABORT) is b
+    assert not b.host_block_ids and sched.host_pool.num_free_blocks == 8
+    d.run()
+    assert a.output_token_ids == expected_output([1, 2, 3], 5)
+    assert_all_freed(sched)
+
+
+def test_swap_mode_needs_a_host_tier() -> None:
+    config = SchedulerConfig(policy="chunked", preemption_mode="swap")
+    with pytest.raises(ValueError, match="host tier"):
+        Scheduler(config, BlockManager(8, 2), make_policy("chunked"))
+    with pytest.raises(ValueError, match="preemption_mode"):
+        SchedulerConfig(preemption_mode="discard")
 
 
 # ---- aborts ----------------------------------------------------------------------------------------
