@@ -30,7 +30,10 @@ def load_kernel():  # type: ignore[no-untyped-def]
     return load(
         name="pdserve_paged_decode",
         sources=[_SOURCE],
-        extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"],
+        # -fopenmp: at::parallel_for is OpenMP pragmas in ATen's headers; without it the kernel ran on
+        # one core. The extension then resolves libgomp.so.1 to the copy torch has already loaded.
+        extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
         verbose=False,
     )
 

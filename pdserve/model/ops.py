@@ -73,7 +73,9 @@ class FusedCpuOps:
             name="pdserve_fused_ops",
             sources=[_SOURCE],
             # No -ffast-math, no FMA contraction: the kernels reproduce torch's roundings step by step.
-            extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off"],
+            # -fopenmp: at::parallel_for is OpenMP pragmas in ATen's headers; without it, it runs serially.
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+            extra_ldflags=["-fopenmp"],
             verbose=False,
         )
 

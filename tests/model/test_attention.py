@@ -82,3 +82,38 @@ def test_decode_groups_bound_padding():
     assert len(groups) <= 5
     assert _decode_groups([100] * 64) == [(0, 64)]
     assert _decode_groups([]) == []
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_cpu_paged_decode_long_contexts(block_size):
+    """The C++ decode kernel on 16-token blocks (its 16-rows-at-a-time path, with partial last blocks)
+    over many requests of very different context lengths (its per-thread split), against naive
+    attention; and the same result with one thread as with two."""
+    try:
+        backend = get_attention_backend("cpu-paged")
+    except Exception as e:  # no compiler here
+        pytest.skip(f"cpu-paged unavailable: {e}")
+    g = torch.Generator().manual_seed(1)
+    H, KVH, D, nblocks = 9, 3, 64, 256
+    ctx = [1, 15, 16, 17, 33, 250, 700, 2, 64, 129]
+    k_cache = torch.randn(KVH, nblocks, block_size, D, generator=g).bfloat16()
+    v_cache = torch.randn(KVH, nblocks, block_size, D, generator=g).bfloat16()
+    perm = torch.randperm(nblocks, generator=g).tolist()
+    max_nb = max(-(-c // block_size) for c in ctx)
+    tables = [[perm.pop() for _ in range(-(-c // block_size))] for c in ctx]
+    table = torch.tensor([t + [0] * (max_nb - len(t)) for t in tables])
+    q = torch.randn(len(ctx), H, D, generator=g).bfloat16()
+    group = DecodeGroup(0, len(ctx), table, torch.tensor(ctx), None)  # type: ignore[arg-type]
+    out = backend.decode(q, k_cache, v_cache, group, D**-0.5)
+    for i, (c, t) in enumerate(zip(ctx, tables)):
+        rows = torch.tensor([t[j // block_size] * block_size + j % block_size for j in range(c)])
+        kk = k_cache.reshape(KVH, -1, D)[:, rows].transpose(0, 1)  # [c, KVH, D]
+        vv = v_cache.reshape(KVH, -1, D)[:, rows].transpose(0, 1)
+        ref = naive(q[i : i + 1], kk, vv, D**-0.5)
+        torch.testing.assert_close(out[i : i + 1].float(), ref, atol=2e-2, rtol=2e-2)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(backend.decode(q, k_cache, v_cache, group, D**-0.5), out)
+    finally:
+        torch.set_num_threads(threads)
