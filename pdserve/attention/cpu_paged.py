@@ -5,7 +5,13 @@ the scores and once over V for the output, split over (request, kv head) pairs o
 It reads each KV row once and never pads, so decodes of any context lengths go in one call (measured on
 one AVX-512 core, 150 decodes averaging 300 context tokens: 47 ms gather + bmm, 19 ms inductor, 9.6 ms
 here). It is built on first use with the machine's compiler (about 20-40 s, then cached by torch in
-~/.cache/torch_extensions). Prefill stays on the reference SDPA path.
+~/.cache/torch_extensions).
+
+Prefill (bf16, head_dim 64, blocks of a multiple of 16 tokens) goes through the same file's flash-style
+kernel: every prompt chunk of the step in one call, its context read in place through the block table,
+16 query rows x 16 keys at a time with AVX-512 BF16 dot products and an online softmax (measured here,
+one 9-head prompt: 2.0x torch's CPU SDPA at 128 tokens, 1.9x at 250, 1.4x at 1,000). Other shapes and
+dtypes use the reference SDPA path.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import os
 
 import torch
 
-from pdserve.attention.base import DecodeGroup
+from pdserve.attention.base import AttentionMetadata, DecodeGroup
 from pdserve.attention.torch_ref import TorchAttention
 
 logger = logging.getLogger(__name__)
@@ -47,3 +53,12 @@ class CpuPagedAttention(TorchAttention):
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup, scale: float) -> torch.Tensor:
         return self._kernel.paged_decode(q, k_cache, v_cache, g.block_table, g.context_lens, scale)
+
+    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
+        table, ctx = meta.prefill_block_table, meta.prefill_context_lens
+        if table is not None and ctx is not None:
+            starts = torch.tensor([p.query_start for p in meta.prefills])
+            lens = torch.tensor([p.query_len for p in meta.prefills])
+            if self._kernel.paged_prefill(q, k_cache, v_cache, table, starts, lens, ctx, scale, out):
+                return
+        super().prefill(q, k, v, k_cache, v_cache, meta, scale, out)

@@ -30,6 +30,13 @@ class TorchAttention:
             s, n = g.query_start, g.num_seqs
             # Gather whole blocks (contiguous rows), not single slots: several times faster on CPU.
             out[s : s + n] = self.decode(q[s : s + n], k_cache, v_cache, g, scale)
+        if meta.prefills:
+            self.prefill(q, k, v, k_cache, v_cache, meta, scale, out)
+        return out
+
+    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
+        """Attention of every prefill chunk, into its rows of `out` (K/V already in the cache)."""
+        kvh, _, _, d = k_cache.shape
         for p in meta.prefills:
             s, e = p.query_start, p.query_start + p.query_len
             qp = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
@@ -42,7 +49,6 @@ class TorchAttention:
                 vp = v_cache.index_select(1, p.context_blocks).view(1, kvh, -1, d)
                 o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=True)
             out[s:e] = o.squeeze(0).transpose(0, 1)
-        return out
 
     def warmup(self, k_cache: torch.Tensor, num_heads: int) -> None:
         pass

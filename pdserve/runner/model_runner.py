@@ -150,6 +150,8 @@ class ModelRunner:
             num_decode_tokens=num_decodes,
             decode_groups=groups,
             prefills=prefills,
+            prefill_block_table=table[num_decodes:] if prefills else None,
+            prefill_context_lens=ctx_t[num_decodes:] if prefills else None,
         )
         last_index = (cu - 1).tolist()
         return torch.tensor(token_ids, device=dev), positions.to(dev), meta, last_index

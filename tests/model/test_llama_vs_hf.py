@@ -89,9 +89,9 @@ def test_prepacked_projections_are_bit_identical(tiny_weights):
     model = model.to(torch.bfloat16)
     layer = model.layers[0]
     x = torch.randn(5, TINY.hidden_size, dtype=torch.bfloat16)
-    plain = [layer.linear(x, "qkv"), layer.linear(x, "gate_up")]
+    plain = [layer.linear(x, "qkv"), layer.linear(x, "gate_up"), model.compute_logits(x)]
     assert model.prepack_for_cpu()
-    assert set(layer.packed) == {"qkv", "o", "gate_up", "down"}
-    packed = [layer.linear(x, "qkv"), layer.linear(x, "gate_up")]
+    assert set(layer.packed) == {"qkv", "o", "gate_up", "down"} and model.packed_lm_head is not None
+    packed = [layer.linear(x, "qkv"), layer.linear(x, "gate_up"), model.compute_logits(x)]
     for a, b in zip(plain, packed):
         assert torch.equal(a, b)

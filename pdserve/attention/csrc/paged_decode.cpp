@@ -65,6 +65,26 @@ void for_each_item(const int64_t* ctx, int64_t B, int64_t KVH, const F& fn) {
   });
 }
 
+// Runs fn(item) for items 0..costs.size()-1, split into contiguous per-thread ranges of about equal cost.
+template <typename F>
+void for_each_costed(const std::vector<int64_t>& costs, const F& fn) {
+  const int64_t n = static_cast<int64_t>(costs.size());
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  int64_t total = 0;
+  for (int64_t c : costs) total += c;
+  std::vector<int64_t> bounds(parts + 1, n);
+  bounds[0] = 0;
+  int64_t acc = 0, part = 1;
+  for (int64_t i = 0; i < n && part < parts; ++i) {
+    acc += costs[i];
+    while (part < parts && acc * parts >= total * part) bounds[part++] = i + 1;
+  }
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t i = bounds[p]; i < bounds[p + 1]; ++i) fn(i);
+  });
+}
+
 template <typename T>
 void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, const int64_t* ctx,
                    T* out, int64_t B, int64_t H, int64_t D, int64_t KVH, int64_t NB, int64_t BS,
@@ -231,6 +251,108 @@ void decode_bf16_d64(const at::BFloat16* q, const at::BFloat16* k_cache, const a
     }
   });
 }
+
+inline float hmax(__m512 v) { return _mm512_reduce_max_ps(v); }
+
+// Causal prefill attention over the paged cache (bf16, head_dim 64, block size a multiple of 16): the
+// queries of sequence p sit at positions [ctx[p] - q_len[p], ctx[p]) and attend keys up to their own
+// position, read through the block table (this step's K/V are already in the cache). Flash-style: per
+// (sequence, kv head, tile of 16 query rows), 16 keys at a time, online softmax in fp32, the V rows of
+// each 16 keys converted once and shared by the tile's rows and query heads.
+template <int G>
+void prefill_bf16_d64(const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache,
+                      const int64_t* tables, int64_t max_blocks, const int64_t* q_start, const int64_t* q_len,
+                      const int64_t* ctx, int64_t P, at::BFloat16* out, int64_t H, int64_t KVH, int64_t NB,
+                      int64_t BS, float scale, int64_t q_row, int64_t out_row) {
+  constexpr int64_t D = 64, QT = 16;
+  struct Item { int64_t p, h, r0; };
+  std::vector<Item> items;
+  std::vector<int64_t> costs;
+  for (int64_t p = 0; p < P; ++p)
+    for (int64_t h = 0; h < KVH; ++h)
+      for (int64_t r0 = 0; r0 < q_len[p]; r0 += QT) {
+        items.push_back({p, h, r0});
+        costs.push_back(ctx[p] - q_len[p] + std::min(r0 + QT, q_len[p]) + 64);  // keys the tile reads
+      }
+  const __m512 vscale = _mm512_set1_ps(scale), neg_inf = _mm512_set1_ps(-1e30f);
+  for_each_costed(costs, [&](int64_t it) {
+    const Item& item = items[it];
+    const int64_t p = item.p, h = item.h, r0 = item.r0;
+    const int64_t rows = std::min(QT, q_len[p] - r0), first_pos = ctx[p] - q_len[p] + r0;
+    const int64_t* blocks = tables + p * max_blocks;
+    const at::BFloat16* kh = k_cache + h * NB * BS * D;
+    const at::BFloat16* vh = v_cache + h * NB * BS * D;
+    alignas(64) float acc[QT][G][D];
+    alignas(64) float vf[16][D];
+    alignas(64) float sc[16];
+    float m[QT][G], l[QT][G];
+    for (int64_t i = 0; i < rows; ++i)
+      for (int g = 0; g < G; ++g) {
+        m[i][g] = -1e30f, l[i][g] = 0.f;  // finite: -ffast-math assumes no infinities
+        for (int64_t d = 0; d < D; ++d) acc[i][g][d] = 0.f;
+      }
+    const int64_t num_keys = first_pos + rows;  // the last row attends this many keys
+    for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
+      const int64_t off = blocks[j0 / BS] * BS * D + (j0 % BS) * D;
+      const at::BFloat16* kb = kh + off;
+      const at::BFloat16* vb = vh + off;
+      const int64_t nk = std::min<int64_t>(16, num_keys - j0);
+      for (int64_t t = 0; t < nk; ++t)
+        for (int c = 0; c < 4; ++c) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vb + t * D + 16 * c));
+          _mm512_store_ps(vf[t] + 16 * c, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+        }
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t valid = std::min<int64_t>(16, first_pos + i - j0 + 1);  // causal: keys <= position
+        if (valid <= 0) continue;
+        const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1u);
+        const int64_t qi = q_start[p] + r0 + i;
+        for (int g = 0; g < G; ++g) {
+          const at::BFloat16* qg = q + qi * q_row + (h * G + g) * D;
+          const __m512bh q0 = (__m512bh)_mm512_loadu_si512(qg), q1 = (__m512bh)_mm512_loadu_si512(qg + 32);
+          __m512 dots[16];
+          for (int r = 0; r < 16; ++r) {
+            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kb + r * D);
+            const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kb + r * D + 32);
+            dots[r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q0, k0), q1, k1);
+          }
+          const __m512 s = _mm512_mask_mov_ps(neg_inf, keep, _mm512_mul_ps(hsum16(dots), vscale));
+          const float m_new = std::max(m[i][g], hmax(s));
+          _mm512_store_ps(sc, _mm512_sub_ps(s, _mm512_set1_ps(m_new)));
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int t = 0; t < 16; ++t) {
+            sc[t] = std::exp(sc[t]);
+            sum += sc[t];
+          }
+          const float alpha = std::exp(m[i][g] - m_new);
+          m[i][g] = m_new;
+          l[i][g] = l[i][g] * alpha + sum;
+          float* a = acc[i][g];
+          __m512 a4[4];
+          const __m512 va = _mm512_set1_ps(alpha);
+          for (int c = 0; c < 4; ++c) a4[c] = _mm512_mul_ps(_mm512_load_ps(a + 16 * c), va);
+          for (int64_t t = 0; t < valid; ++t) {
+            const __m512 pt = _mm512_set1_ps(sc[t]);
+            for (int c = 0; c < 4; ++c) a4[c] = _mm512_fmadd_ps(pt, _mm512_load_ps(vf[t] + 16 * c), a4[c]);
+          }
+          for (int c = 0; c < 4; ++c) _mm512_store_ps(a + 16 * c, a4[c]);
+        }
+      }
+    }
+    for (int64_t i = 0; i < rows; ++i)
+      for (int g = 0; g < G; ++g) {
+        at::BFloat16* o = out + (q_start[p] + r0 + i) * out_row + (h * G + g) * D;
+        const __m512 inv = _mm512_set1_ps(1.f / l[i][g]);
+        for (int c = 0; c < 4; ++c) {
+          __m512i bits = _mm512_castps_si512(_mm512_mul_ps(_mm512_load_ps(acc[i][g] + 16 * c), inv));
+          __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+          bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * c), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+        }
+      }
+  });
+}
 #endif
 
 }  // namespace
@@ -279,4 +401,41 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode", &paged_decode, "paged decode attention (CPU)"); }
+// Causal prefill attention for several sequences in one call, into `out` (rows of `q` outside the
+// sequences are left alone). q, out [T, H, D] bf16, heads and head_dim contiguous (rows may be strided:
+// q is a view into the fused QKV projection); caches [KVH, NB, BS, D] with BS a multiple of 16;
+// tables [P, max_blocks]; q_start, q_len, ctx [P] int64. Returns false (nothing done) when this build
+// or these shapes have no fast path: the caller then uses its own.
+bool paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
+                   torch::Tensor q_start, torch::Tensor q_len, torch::Tensor ctx, double scale, torch::Tensor out) {
+#ifdef PDSERVE_HAVE_AVX512BF16
+  const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(0), BS = k_cache.size(2);
+  const auto rows_ok = [&](const torch::Tensor& t) { return t.stride(2) == 1 && t.stride(1) == D; };
+  if (q.scalar_type() != torch::kBFloat16 || out.scalar_type() != torch::kBFloat16 || D != 64 || H % KVH ||
+      H / KVH > 4 || BS % 16 || !rows_ok(q) || !rows_ok(out) || !k_cache.is_contiguous() || !v_cache.is_contiguous())
+    return false;
+  tables = tables.to(torch::kInt64).contiguous();
+  q_start = q_start.to(torch::kInt64).contiguous();
+  q_len = q_len.to(torch::kInt64).contiguous();
+  ctx = ctx.to(torch::kInt64).contiguous();
+  auto args = std::make_tuple(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
+                              v_cache.data_ptr<at::BFloat16>(), tables.data_ptr<int64_t>(), tables.size(1),
+                              q_start.data_ptr<int64_t>(), q_len.data_ptr<int64_t>(), ctx.data_ptr<int64_t>(),
+                              tables.size(0), out.data_ptr<at::BFloat16>(), H, KVH, k_cache.size(1), BS,
+                              static_cast<float>(scale), q.stride(0), out.stride(0));
+  switch (H / KVH) {
+    case 1: std::apply(prefill_bf16_d64<1>, args); break;
+    case 2: std::apply(prefill_bf16_d64<2>, args); break;
+    case 3: std::apply(prefill_bf16_d64<3>, args); break;
+    default: std::apply(prefill_bf16_d64<4>, args); break;
+  }
+  return true;
+#else
+  return false;
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
+  m.def("paged_prefill", &paged_prefill, "paged causal prefill attention (CPU, bf16)");
+}
