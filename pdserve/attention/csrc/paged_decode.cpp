@@ -38,33 +38,6 @@ inline void softmax_inplace(float* s, int64_t L) {
   for (int64_t t = 0; t < L; ++t) s[t] *= inv;
 }
 
-// Splits the B * KVH (request, kv head) items into `parts` contiguous ranges of about equal cost
-// (context tokens plus a fixed per-item overhead). Returns parts + 1 bounds.
-inline std::vector<int64_t> balanced_bounds(const int64_t* ctx, int64_t B, int64_t KVH, int64_t parts) {
-  constexpr int64_t kItemCost = 32;
-  int64_t total = 0;
-  for (int64_t b = 0; b < B; ++b) total += (ctx[b] + kItemCost) * KVH;
-  std::vector<int64_t> bounds(parts + 1, B * KVH);
-  bounds[0] = 0;
-  int64_t acc = 0, part = 1;
-  for (int64_t i = 0; i < B * KVH && part < parts; ++i) {
-    acc += ctx[i / KVH] + kItemCost;
-    while (part < parts && acc * parts >= total * part) bounds[part++] = i + 1;
-  }
-  return bounds;
-}
-
-// Runs fn(item) for every (request, kv head) item, items split by `balanced_bounds` over the threads.
-template <typename F>
-void for_each_item(const int64_t* ctx, int64_t B, int64_t KVH, const F& fn) {
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), B * KVH));
-  const std::vector<int64_t> bounds = balanced_bounds(ctx, B, KVH, parts);
-  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
-      for (int64_t idx = bounds[p]; idx < bounds[p + 1]; ++idx) fn(idx);
-  });
-}
-
 // Runs fn(item) for items 0..costs.size()-1, split into contiguous per-thread ranges of about equal cost.
 template <typename F>
 void for_each_costed(const std::vector<int64_t>& costs, const F& fn) {
@@ -83,6 +56,15 @@ void for_each_costed(const std::vector<int64_t>& costs, const F& fn) {
     for (int64_t p = p0; p < p1; ++p)
       for (int64_t i = bounds[p]; i < bounds[p + 1]; ++i) fn(i);
   });
+}
+
+// Runs fn(item) for every (request, kv head) item (item = request * KVH + head), the cost of an item
+// being its context length plus a fixed overhead.
+template <typename F>
+void for_each_item(const int64_t* ctx, int64_t B, int64_t KVH, const F& fn) {
+  std::vector<int64_t> costs(B * KVH);
+  for (int64_t i = 0; i < B * KVH; ++i) costs[i] = ctx[i / KVH] + 32;
+  for_each_costed(costs, fn);
 }
 
 template <typename T>
