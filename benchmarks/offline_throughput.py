@@ -138,7 +138,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hf-num-prompts", type=int, default=32, help="0 skips the transformers comparison")
     ap.add_argument("--hf-batch-size", type=int, default=8)
-    ap.add_argument("--scheduler", default="prefill-first")
+    ap.add_argument("--scheduler", default="chunked")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-cache-memory-gb", type=float, default=3.0)

@@ -15,8 +15,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
     g.add_argument(
-        "--scheduler", default="prefill-first",
-        help="scheduling policy: prefill-first | chunked | decode-priority | slo",
+        "--scheduler", default="chunked",
+        help="scheduling policy: chunked (default: stall-free) | prefill-first | decode-priority | slo",
     )
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-num-seqs", type=int, default=128)

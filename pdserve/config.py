@@ -53,7 +53,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    policy: str = "prefill-first"
+    policy: str = "chunked"
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     max_model_len: int = 2048

@@ -46,7 +46,7 @@ BUILTIN_PRESETS: Mapping[str, Preset] = MappingProxyType(
             ),
             Preset(
                 "disagg-1p1d",
-                ("--disagg", "1p1d"),
+                ("--disagg", "1p1d", "--scheduler", "prefill-first"),
                 "one prefill and one decode instance behind the router, KV over shared memory, cores split",
             ),
             Preset(

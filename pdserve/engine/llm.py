@@ -23,7 +23,7 @@ class LLM:
         dtype: str = "auto",
         device: str = "auto",
         *,
-        scheduler: str = "prefill-first",
+        scheduler: str = "chunked",
         max_num_batched_tokens: int = 2048,
         max_num_seqs: int = 128,
         max_model_len: int = 2048,
