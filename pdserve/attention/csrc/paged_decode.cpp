@@ -239,8 +239,8 @@ inline float hmax(__m512 v) { return _mm512_reduce_max_ps(v); }
 // Causal prefill attention over the paged cache (bf16, head_dim 64, block size a multiple of 16): the
 // queries of sequence p sit at positions [ctx[p] - q_len[p], ctx[p]) and attend keys up to their own
 // position, read through the block table (this step's K/V are already in the cache). Flash-style: per
-// (sequence, kv head, tile of 16 query rows), 16 keys at a time, online softmax in fp32, the V rows of
-// each 16 keys converted once and shared by the tile's rows and query heads.
+// (sequence, kv head, tile of 16 query rows), 16 keys at a time, online softmax in fp32; the K of each
+// 16 keys transposed to pairs and their V converted to fp32 once, shared by the tile's rows and heads.
 template <int G>
 void prefill_bf16_d64(const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache,
                       const int64_t* tables, int64_t max_blocks, const int64_t* q_start, const int64_t* q_len,
@@ -257,6 +257,9 @@ void prefill_bf16_d64(const at::BFloat16* q, const at::BFloat16* k_cache, const 
         costs.push_back(ctx[p] - q_len[p] + std::min(r0 + QT, q_len[p]) + 64);  // keys the tile reads
       }
   const __m512 vscale = _mm512_set1_ps(scale), neg_inf = _mm512_set1_ps(-1e30f);
+  // 32-bit offsets of the 16 keys' rows in a 16-key chunk (a row is 64 bf16 = 32 pairs).
+  const __m512i key_rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(D / 2));
   for_each_costed(costs, [&](int64_t it) {
     const Item& item = items[it];
     const int64_t p = item.p, h = item.h, r0 = item.r0;
@@ -266,6 +269,7 @@ void prefill_bf16_d64(const at::BFloat16* q, const at::BFloat16* k_cache, const 
     const at::BFloat16* vh = v_cache + h * NB * BS * D;
     alignas(64) float acc[QT][G][D];
     alignas(64) float vf[16][D];
+    alignas(64) __m512i kt[32];
     alignas(64) float sc[16];
     float m[QT][G], l[QT][G];
     for (int64_t i = 0; i < rows; ++i)
@@ -279,6 +283,10 @@ void prefill_bf16_d64(const at::BFloat16* q, const at::BFloat16* k_cache, const 
       const at::BFloat16* kb = kh + off;
       const at::BFloat16* vb = vh + off;
       const int64_t nk = std::min<int64_t>(16, num_keys - j0);
+      // K of the 16 keys, pair-major: kt[p] holds (k[2p], k[2p+1]) of each key in its lane, so a query's
+      // 16 scores are 32 dot-product steps against broadcast query pairs, with no horizontal sums.
+      for (int pr = 0; pr < 32; ++pr)
+        _mm512_store_si512(kt + pr, _mm512_i32gather_epi32(_mm512_add_epi32(key_rows, _mm512_set1_epi32(pr)), kb, 4));
       for (int64_t t = 0; t < nk; ++t)
         for (int c = 0; c < 4; ++c) {
           const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vb + t * D + 16 * c));
@@ -290,15 +298,13 @@ void prefill_bf16_d64(const at::BFloat16* q, const at::BFloat16* k_cache, const 
         const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1u);
         const int64_t qi = q_start[p] + r0 + i;
         for (int g = 0; g < G; ++g) {
-          const at::BFloat16* qg = q + qi * q_row + (h * G + g) * D;
-          const __m512bh q0 = (__m512bh)_mm512_loadu_si512(qg), q1 = (__m512bh)_mm512_loadu_si512(qg + 32);
-          __m512 dots[16];
-          for (int r = 0; r < 16; ++r) {
-            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kb + r * D);
-            const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kb + r * D + 32);
-            dots[r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q0, k0), q1, k1);
-          }
-          const __m512 s = _mm512_mask_mov_ps(neg_inf, keep, _mm512_mul_ps(hsum16(dots), vscale));
+          const int32_t* qp = reinterpret_cast<const int32_t*>(q + qi * q_row + (h * G + g) * D);
+          __m512 d4[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+          for (int pr = 0; pr < 32; pr += 4)
+            for (int c = 0; c < 4; ++c)
+              d4[c] = _mm512_dpbf16_ps(d4[c], (__m512bh)_mm512_set1_epi32(qp[pr + c]), (__m512bh)_mm512_load_si512(kt + pr + c));
+          const __m512 dots = _mm512_add_ps(_mm512_add_ps(d4[0], d4[1]), _mm512_add_ps(d4[2], d4[3]));
+          const __m512 s = _mm512_mask_mov_ps(neg_inf, keep, _mm512_mul_ps(dots, vscale));
           const float m_new = std::max(m[i][g], hmax(s));
           _mm512_store_ps(sc, _mm512_sub_ps(s, _mm512_set1_ps(m_new)));
           float sum = 0.f;
