@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import zmq
 
-from pdserve.config import CacheConfig, EngineConfig
+from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.request import SamplingParams
 from pdserve.server.engine_core import CoreAddresses, EngineCore
@@ -39,8 +39,11 @@ class FailingRunner:
 
 @pytest.fixture
 def core(tiny_weights):
+    # prefill-first: the poisoned prompt's step then runs prompts only, so the failure is its own alone
+    # (a failing step fails every request in it; under `chunked` a running decode would share it).
     config = EngineConfig(
-        dtype="float32", device="cpu", num_threads=1, cache=CacheConfig(block_size=4, num_blocks=128)
+        dtype="float32", device="cpu", num_threads=1, cache=CacheConfig(block_size=4, num_blocks=128),
+        scheduler=SchedulerConfig(policy="prefill-first"),
     )
     engine = LLMEngine(config, model_config=TINY, weights=tiny_weights)
     engine.runner = FailingRunner(engine.runner)
