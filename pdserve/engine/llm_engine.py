@@ -31,8 +31,9 @@ from pdserve.kv.cache import KVCache, kv_block_bytes
 from pdserve.model.llama import LlamaModel
 from pdserve.outputs import RequestOutput
 from pdserve.request import FinishReason, Request, SamplingParams
-from pdserve.runner.model_runner import ModelRunner
+from pdserve.runner.model_runner import ModelOutput, ModelRunner
 from pdserve.scheduler import Scheduler, make_policy
+from pdserve.scheduler.scheduler import SchedulerOutput
 from pdserve.transfer.base import KVLayout, KVTransport, TransferError
 from pdserve.transfer.registry import transport_class
 
@@ -292,11 +293,18 @@ class LLMEngine:
         hook = None
         if self.connector is not None:
             hook = self.connector.layer_hook([(s.req, s.num_new_tokens) for s in sched.scheduled])
+        replayed = False
         try:
             out = self.runner.execute(sched, hook)
-        except Exception as e:  # a failed step fails its requests, never the engine
-            logger.exception("step failed; finishing its %d requests with an error", len(sched.scheduled))
-            return transferred + self._fail([s.req for s in sched.scheduled], f"engine step failed: {e}")
+        except Exception as e:  # a failed step fails the requests that cause it, never the engine
+            if hook is not None or len(sched.scheduled) == 1:  # (a KV send cannot be replayed per request)
+                logger.exception("step failed; finishing its %d requests with an error", len(sched.scheduled))
+                return transferred + self._fail([s.req for s in sched.scheduled], f"engine step failed: {e}")
+            logger.exception("step of %d requests failed; running them one at a time", len(sched.scheduled))
+            out, failed = self._execute_one_by_one(sched)
+            replayed = True
+            for req, error in failed:
+                transferred += self._fail([req], f"engine step failed: {error}")
         for req, lp in zip(sampling, out.logprobs):
             if lp is not None:
                 if req.logprobs is None:
@@ -318,6 +326,8 @@ class LLMEngine:
             if r.finished:
                 self._release(r.request_id)
         results = transferred + results
+        if replayed:  # its duration is no step's: keep it out of the records and the step-time model
+            return results
         self.step_records.append(
             StepRecord(
                 start=start,
@@ -334,6 +344,31 @@ class LLMEngine:
             rec.duration, rec.num_prefill_tokens, rec.num_decode_tokens, rec.num_context_tokens
         )
         return results
+
+    def _execute_one_by_one(self, sched: SchedulerOutput) -> tuple[ModelOutput, list[tuple[Request, str]]]:
+        """Run each request of a failed step alone, so that only those that fail again are failed (with
+        `chunked`, running decodes share every prompt's step). Nothing of the failed step was applied:
+        counters only move in `update_from_output`, and K/V slots it wrote are rewritten. Returns the
+        step's output in scheduler order (a placeholder token for each failed sampling request, which
+        `update_from_output` skips once the request is finished) and the failures."""
+        tokens: list[int] = []
+        logprobs: list[dict[int, float] | None] = []
+        failed: list[tuple[Request, str]] = []
+        forward_time = 0.0
+        for s in sched.scheduled:
+            try:
+                one = self.runner.execute(SchedulerOutput(scheduled=[s], num_batched_tokens=s.num_new_tokens))
+            except Exception as e:
+                logger.exception("request %s fails on its own", s.req.req_id)
+                failed.append((s.req, str(e)))
+                if s.samples:
+                    tokens.append(0)
+                    logprobs.append(None)
+                continue
+            forward_time += one.forward_time
+            tokens += one.token_ids
+            logprobs += one.logprobs
+        return ModelOutput(tokens, logprobs, forward_time), failed
 
     def _fail(self, reqs: list[Request], message: str) -> list[RequestOutput]:
         results = []

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import zmq
 
-from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.config import CacheConfig, EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.request import SamplingParams
 from pdserve.server.engine_core import CoreAddresses, EngineCore
@@ -39,11 +39,10 @@ class FailingRunner:
 
 @pytest.fixture
 def core(tiny_weights):
-    # prefill-first: the poisoned prompt's step then runs prompts only, so the failure is its own alone
-    # (a failing step fails every request in it; under `chunked` a running decode would share it).
+    # The default policy (`chunked`): the poisoned prompt shares its step with the running decode, and
+    # the engine replays that step request by request to fail only the prompt.
     config = EngineConfig(
-        dtype="float32", device="cpu", num_threads=1, cache=CacheConfig(block_size=4, num_blocks=128),
-        scheduler=SchedulerConfig(policy="prefill-first"),
+        dtype="float32", device="cpu", num_threads=1, cache=CacheConfig(block_size=4, num_blocks=128)
     )
     engine = LLMEngine(config, model_config=TINY, weights=tiny_weights)
     engine.runner = FailingRunner(engine.runner)
@@ -98,7 +97,7 @@ def test_failures_stay_with_their_request(core):
             if d.finish_reason is not None:
                 finished[d.req_id] = d
         if not sent_bad and tokens.get("good", 0) >= 3:
-            _add(core, "poisoned", [1, POISON, 3], 10)  # fails in its (prefill-only) step
+            _add(core, "poisoned", [1, POISON, 3], 10)  # fails, in a step it shares with "good"
             _add(core, "too-long", [1] * 600, 10)  # past the context: refused by the engine
             _add(core, "out-of-vocab", [1, 10_000], 10)
             sent_bad = True

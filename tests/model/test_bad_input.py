@@ -87,6 +87,42 @@ def test_failed_step_fails_its_requests_only(make_tiny_llm, monkeypatch):
     assert llm.generate([[4, 5, 6]], GREEDY, use_tqdm=False)[0].outputs[0].finish_reason == "length"
 
 
+def test_failed_step_is_replayed_to_fail_only_the_culprit(make_tiny_llm, monkeypatch):
+    """Under `chunked` a running decode shares a bad prompt's step: when the step fails, its requests run
+    one at a time, only the one that fails again is failed, and the others' tokens are unchanged."""
+    poison = 311
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    reference = [o.outputs[0].token_ids for o in make_tiny_llm(scheduler="chunked").generate(prompts, params, use_tqdm=False)]
+    llm = make_tiny_llm(scheduler="chunked")
+    eng = llm.engine
+    execute = eng.runner.execute
+
+    def failing(sched, after_layer=None):  # type: ignore[no-untyped-def]
+        if any(poison in s.req.prompt_token_ids for s in sched.scheduled):
+            raise RuntimeError("injected failure")
+        return execute(sched, after_layer)
+
+    monkeypatch.setattr(eng.runner, "execute", failing)
+    ids = [eng.add_request(p, params) for p in prompts]
+    outs: dict[str, object] = {}
+    for _ in range(3):  # both decoding
+        for o in eng.step():
+            outs[o.request_id] = o
+    bad = eng.add_request([4, poison, 6], params)
+    shared = False
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs[o.request_id] = o
+            if o.request_id == bad:
+                shared = not outs[ids[0]].finished  # the good ones were still running in that step
+    assert shared
+    assert outs[bad].outputs[0].finish_reason == "error" and "injected failure" in outs[bad].error
+    for rid, ref in zip(ids, reference):
+        assert outs[rid].outputs[0].finish_reason == "length" and outs[rid].outputs[0].token_ids == ref
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
 def test_unknown_model_path():
     with pytest.raises(ModelLoadError, match="not found"):
         LLM(model="/no/such/model.gguf", device="cpu")
