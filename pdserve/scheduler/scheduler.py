@@ -89,6 +89,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swapped_out_blocks = 0  # cumulative
         self.num_swapped_in_blocks = 0
+        self._swapped_in_now: set[int] = set()  # ids of the requests this step swapped in
         self.sending: dict[str, Request] = {}  # prefilled here, blocks held until the KV transfer ends
         self.receiving: dict[str, Request] = {}  # blocks reserved, KV and first token on their way here
         self.to_reserve: deque[Request] = deque()  # remote-prefill requests waiting for blocks to reserve
@@ -209,6 +210,7 @@ class Scheduler:
 
     # ---- step ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self._swapped_in_now = set()
         swap_in = self._swap_in() if self.swapped else []
         for plan in self.policy.plan(self.running, self.waiting):
             out = self._schedule(plan, swap_in)
@@ -233,6 +235,7 @@ class Scheduler:
             if not bm.allocate_slots(req, req.num_computed_tokens + 1):
                 break
             self.swapped.popleft()
+            self._swapped_in_now.add(id(req))
             copies.extend(zip(req.host_block_ids, req.block_ids))
             self.num_swapped_in_blocks += len(req.host_block_ids)
             self.host_pool.free(req.host_block_ids)
@@ -282,7 +285,9 @@ class Scheduler:
             n = min(remaining, budget, chunk_cap)  # recomputing past the prompt is chunked like a prompt
             while not bm.allocate_slots(req, req.num_computed_tokens + n):
                 victim: Request | None = self.running[-1]
-                if id(victim) in scheduled_ids:  # never take back what this step already gave out
+                # Never take back what this step already gave out (tokens, or blocks to swap back into:
+                # swapping a request straight out again could repeat every step while nothing runs).
+                if id(victim) in scheduled_ids or id(victim) in self._swapped_in_now:
                     victim = req
                 if victim is req and any(
                     r is not req and id(r) not in scheduled_ids and r.is_decode for r in self.running

@@ -610,6 +610,17 @@ def test_swap_never_recomputes(policy: str) -> None:
     assert_all_freed(sched)
 
 
+def test_swap_in_is_not_swapped_straight_out_again() -> None:
+    """Found by the random workloads: under prefill-first a running prompt short of blocks took back the
+    blocks of a request swapped in the same step, every step, while the decode plan never ran."""
+    w = Workload(
+        block_size=2, num_blocks=18, budget=3, max_num_seqs=3, chunk_size=None, prefix_caching=False,
+        arrivals=[(0, [1] * 19, 2), (0, [1] * 17, 1), (0, [1], 1), (0, [1], 1), (0, [1], 2)], aborts=[],
+        num_host_blocks=1,
+    )
+    assert run_workload("prefill-first", w, 0).num_swapped_in > 0
+
+
 def test_swap_falls_back_to_recompute_when_the_host_tier_is_full() -> None:
     sched = make_scheduler(
         "chunked", budget=16, num_blocks=4, block_size=2, max_num_seqs=2, prefix_caching=False, num_host_blocks=1
