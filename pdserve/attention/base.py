@@ -45,10 +45,13 @@ class AttentionMetadata:
     num_decode_tokens: int  # the first tokens of the batch, one per decode request
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSeq]
-    # The prefills' block tables [num_prefills, max_blocks] (int64, padded with 0) and context lengths,
-    # on the host, for kernels that read every prefill's context from the cache in one call.
+    # The prefills' block tables [num_prefills, max_blocks] (int64, padded with 0), context lengths,
+    # first query rows and query lengths, on the host, for kernels that read every prefill's context from
+    # the cache in one call (built once per step, like everything here).
     prefill_block_table: torch.Tensor | None = None
     prefill_context_lens: torch.Tensor | None = None
+    prefill_query_starts: torch.Tensor | None = None
+    prefill_query_lens: torch.Tensor | None = None
 
 
 class AttentionBackend(Protocol):

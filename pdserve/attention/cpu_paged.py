@@ -55,10 +55,12 @@ class CpuPagedAttention(TorchAttention):
         return self._kernel.paged_decode(q, k_cache, v_cache, g.block_table, g.context_lens, scale)
 
     def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
-        table, ctx = meta.prefill_block_table, meta.prefill_context_lens
-        if table is not None and ctx is not None:
-            starts = torch.tensor([p.query_start for p in meta.prefills])
-            lens = torch.tensor([p.query_len for p in meta.prefills])
-            if self._kernel.paged_prefill(q, k_cache, v_cache, table, starts, lens, ctx, scale, out):
+        m = meta
+        if m.prefill_block_table is not None and m.prefill_context_lens is not None:
+            assert m.prefill_query_starts is not None and m.prefill_query_lens is not None
+            if self._kernel.paged_prefill(
+                q, k_cache, v_cache, m.prefill_block_table, m.prefill_query_starts, m.prefill_query_lens,
+                m.prefill_context_lens, scale, out,
+            ):
                 return
         super().prefill(q, k, v, k_cache, v_cache, meta, scale, out)

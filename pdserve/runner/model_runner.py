@@ -152,6 +152,8 @@ class ModelRunner:
             prefills=prefills,
             prefill_block_table=table[num_decodes:] if prefills else None,
             prefill_context_lens=ctx_t[num_decodes:] if prefills else None,
+            prefill_query_starts=(cu - lens_t)[num_decodes:] if prefills else None,
+            prefill_query_lens=lens_t[num_decodes:] if prefills else None,
         )
         last_index = (cu - 1).tolist()
         return torch.tensor(token_ids, device=dev), positions.to(dev), meta, last_index

@@ -333,23 +333,28 @@ def test_random_workloads_swap(policy: str, w: Workload, num_host_blocks: int, s
     run_workload(policy, w, seed)
 
 
+def seeded_workload(rng: random.Random, num_host_blocks: int = 0) -> Workload:
+    """A workload with a tight cache (the longest request just fits, plus up to 4 blocks) from `rng`."""
+    block_size = rng.choice([1, 2, 4])
+    arrivals = []
+    for i in range(rng.randint(3, 8)):
+        prompt = [rng.randint(1, 3) for _ in range(rng.randint(1, 20))]
+        arrivals.append((i // 2, prompt, rng.randint(1, 12)))
+    min_blocks = max(-(-(len(p) + m) // block_size) for _, p, m in arrivals)
+    budget = rng.randint(4, 24)
+    return Workload(
+        block_size, min_blocks + rng.randint(0, 4), budget, rng.randint(2, 6),
+        rng.choice([None, rng.randint(1, budget)]), rng.random() < 0.5, arrivals, [], num_host_blocks,
+    )
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_seeded_workloads_preempt_and_finish(policy: str) -> None:
     """Fixed seeds with a tight cache: preemption must actually happen, and everything still finishes."""
     rng = random.Random(1234)
     total_preempted = 0
     for _ in range(30):
-        block_size = rng.choice([1, 2, 4])
-        arrivals = []
-        for i in range(rng.randint(3, 8)):
-            prompt = [rng.randint(1, 3) for _ in range(rng.randint(1, 20))]
-            arrivals.append((i // 2, prompt, rng.randint(1, 12)))
-        min_blocks = max(-(-(len(p) + m) // block_size) for _, p, m in arrivals)
-        budget = rng.randint(4, 24)
-        w = Workload(
-            block_size, min_blocks + rng.randint(0, 4), budget, rng.randint(2, 6),
-            rng.choice([None, rng.randint(1, budget)]), rng.random() < 0.5, arrivals, [],
-        )
+        w = seeded_workload(rng)
         total_preempted += run_workload(policy, w, rng.randrange(2**16)).num_preempted
     assert total_preempted > 0
 
@@ -573,17 +578,7 @@ def test_seeded_workloads_swap_out_and_back(policy: str) -> None:
     rng = random.Random(4321)
     swapped_out = swapped_in = 0
     for _ in range(30):
-        block_size = rng.choice([1, 2, 4])
-        arrivals = []
-        for i in range(rng.randint(3, 8)):
-            prompt = [rng.randint(1, 3) for _ in range(rng.randint(1, 20))]
-            arrivals.append((i // 2, prompt, rng.randint(1, 12)))
-        min_blocks = max(-(-(len(p) + m) // block_size) for _, p, m in arrivals)
-        budget = rng.randint(4, 24)
-        w = Workload(
-            block_size, min_blocks + rng.randint(0, 4), budget, rng.randint(2, 6),
-            rng.choice([None, rng.randint(1, budget)]), rng.random() < 0.5, arrivals, [], num_host_blocks=64,
-        )
+        w = seeded_workload(rng, num_host_blocks=64)
         d = run_workload(policy, w, rng.randrange(2**16))
         swapped_out += d.num_swapped_out
         swapped_in += d.num_swapped_in

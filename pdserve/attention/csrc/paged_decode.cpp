@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -150,6 +151,26 @@ inline void prefetch_rows(const at::BFloat16* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + off, _MM_HINT_T0);
 }
 
+// Stores 16 floats as bf16, rounding to nearest even as torch does.
+inline void store_bf16x16(at::BFloat16* o, __m512 v) {
+  __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+}
+
+// Calls f(std::integral_constant<int, G>{}) for G = query heads per kv head (1..4; the kernels are
+// templates on it so their per-head state stays in registers).
+template <typename F>
+void with_group_size(int64_t G, const F& f) {
+  switch (G) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
+}
+
 // bf16 K/V, head_dim 64, G query heads per kv head: AVX-512 BF16 dot products for q.k (32 pairs per
 // instruction, no conversion of K), 16 tokens' scores reduced together, register-resident
 // accumulators for p.v, and the next block prefetched while one is processed (blocks are scattered).
@@ -223,13 +244,7 @@ void decode_bf16_d64(const at::BFloat16* q, const at::BFloat16* k_cache, const a
     }
     for (int g = 0; g < G; ++g) {
       at::BFloat16* o = out + (b * H + h * G + g) * D;
-      for (int c = 0; c < 4; ++c) {
-        // round to nearest even bf16, as torch does
-        __m512i bits = _mm512_castps_si512(acc[g][c]);
-        __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-        bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * c), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
-      }
+      for (int c = 0; c < 4; ++c) store_bf16x16(o + 16 * c, acc[g][c]);
     }
   });
 }
@@ -332,12 +347,7 @@ void prefill_bf16_d64(const at::BFloat16* q, const at::BFloat16* k_cache, const 
       for (int g = 0; g < G; ++g) {
         at::BFloat16* o = out + (q_start[p] + r0 + i) * out_row + (h * G + g) * D;
         const __m512 inv = _mm512_set1_ps(1.f / l[i][g]);
-        for (int c = 0; c < 4; ++c) {
-          __m512i bits = _mm512_castps_si512(_mm512_mul_ps(_mm512_load_ps(acc[i][g] + 16 * c), inv));
-          __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-          bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * c), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
-        }
+        for (int c = 0; c < 4; ++c) store_bf16x16(o + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[i][g] + 16 * c), inv));
       }
   });
 }
@@ -366,12 +376,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                                 v_cache.data_ptr<at::BFloat16>(), table.data_ptr<int64_t>(),
                                 context_lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), B, H, KVH, NB, BS,
                                 table.size(1), static_cast<float>(scale));
-    switch (H / KVH) {
-      case 1: std::apply(decode_bf16_d64<1>, args); break;
-      case 2: std::apply(decode_bf16_d64<2>, args); break;
-      case 3: std::apply(decode_bf16_d64<3>, args); break;
-      default: std::apply(decode_bf16_d64<4>, args); break;
-    }
+    with_group_size(H / KVH, [&](auto g) { std::apply(decode_bf16_d64<decltype(g)::value>, args); });
     return out;
   }
 #endif
@@ -411,12 +416,7 @@ bool paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
                               q_start.data_ptr<int64_t>(), q_len.data_ptr<int64_t>(), ctx.data_ptr<int64_t>(),
                               tables.size(0), out.data_ptr<at::BFloat16>(), H, KVH, k_cache.size(1), BS,
                               static_cast<float>(scale), q.stride(0), out.stride(0));
-  switch (H / KVH) {
-    case 1: std::apply(prefill_bf16_d64<1>, args); break;
-    case 2: std::apply(prefill_bf16_d64<2>, args); break;
-    case 3: std::apply(prefill_bf16_d64<3>, args); break;
-    default: std::apply(prefill_bf16_d64<4>, args); break;
-  }
+  with_group_size(H / KVH, [&](auto g) { std::apply(prefill_bf16_d64<decltype(g)::value>, args); });
   return true;
 #else
   return false;
