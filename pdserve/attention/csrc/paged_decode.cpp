@@ -249,13 +249,30 @@ void decode_bf16_d64(const at::BFloat16* q, const at::BFloat16* k_cache, const a
   });
 }
 
-inline float hmax(__m512 v) { return _mm512_reduce_max_ps(v); }
+// 2^x for finite x <= ~0 (x = -1e30 gives 0): x = n + f with n an integer and |f| <= 1/2, 2^f by its
+// degree-6 Taylor polynomial (relative error < 2e-7), times 2^n in one instruction (vscalefps).
+inline __m512 exp2_ps(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5403530e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
 
 // Causal prefill attention over the paged cache (bf16, head_dim 64, block size a multiple of 16): the
 // queries of sequence p sit at positions [ctx[p] - q_len[p], ctx[p]) and attend keys up to their own
-// position, read through the block table (this step's K/V are already in the cache). Flash-style: per
-// (sequence, kv head, tile of 16 query rows), 16 keys at a time, online softmax in fp32; the K of each
-// 16 keys transposed to pairs and their V converted to fp32 once, shared by the tile's rows and heads.
+// position, read through the block table (this step's K/V are already in the cache). Flash-style, per
+// (sequence, kv head, tile of 16 query rows) and 16 keys at a time, with the tile's rows in the 16 lanes
+// of a vector: a key's scores for all rows are one chain of dot products against the row-major K read
+// in place (a broadcast per pair of dims, no transpose of K), the online softmax is lane-wise (no
+// horizontal max or sum), and p.v is AVX-512 BF16 dot products over pairs of keys, with p rounded to
+// bf16 as torch's CPU flash attention does and V interleaved by key pairs once per 16 keys for the
+// tile's G heads. The accumulators stay fp32, [head][dim][row], in L1.
 template <int G>
 void prefill_bf16_d64(const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache,
                       const int64_t* tables, int64_t max_blocks, const int64_t* q_start, const int64_t* q_len,
@@ -271,10 +288,16 @@ void prefill_bf16_d64(const at::BFloat16* q, const at::BFloat16* k_cache, const 
         items.push_back({p, h, r0});
         costs.push_back(ctx[p] - q_len[p] + std::min(r0 + QT, q_len[p]) + 64);  // keys the tile reads
       }
-  const __m512 vscale = _mm512_set1_ps(scale), neg_inf = _mm512_set1_ps(-1e30f);
-  // 32-bit offsets of the 16 keys' rows in a 16-key chunk (a row is 64 bf16 = 32 pairs).
-  const __m512i key_rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                              _mm512_set1_epi32(D / 2));
+  const __m512 scale2 = _mm512_set1_ps(scale * 1.44269504088896341f);  // scores in log2 units: exp2 below
+  const __m512 neg_big = _mm512_set1_ps(-1e30f);  // finite: -ffast-math assumes no infinities
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  alignas(64) int16_t il_lo[32], il_hi[32], p_il[32];
+  for (int i = 0; i < 16; ++i) {
+    il_lo[2 * i] = i, il_lo[2 * i + 1] = 32 + i;       // (a[i], b[i]): dims 0..15 of two keys
+    il_hi[2 * i] = 16 + i, il_hi[2 * i + 1] = 48 + i;  // dims 16..31
+    p_il[2 * i] = i, p_il[2 * i + 1] = 16 + i;         // (p[key 2t][row i], p[key 2t+1][row i])
+  }
+  const __m512i vlo = _mm512_load_si512(il_lo), vhi = _mm512_load_si512(il_hi), pil = _mm512_load_si512(p_il);
   for_each_costed(costs, [&](int64_t it) {
     const Item& item = items[it];
     const int64_t p = item.p, h = item.h, r0 = item.r0;
@@ -282,73 +305,96 @@ void prefill_bf16_d64(const at::BFloat16* q, const at::BFloat16* k_cache, const 
     const int64_t* blocks = tables + p * max_blocks;
     const at::BFloat16* kh = k_cache + h * NB * BS * D;
     const at::BFloat16* vh = v_cache + h * NB * BS * D;
-    alignas(64) float acc[QT][G][D];
-    alignas(64) float vf[16][D];
-    alignas(64) __m512i kt[32];
-    alignas(64) float sc[16];
-    float m[QT][G], l[QT][G];
-    for (int64_t i = 0; i < rows; ++i)
-      for (int g = 0; g < G; ++g) {
-        m[i][g] = -1e30f, l[i][g] = 0.f;  // finite: -ffast-math assumes no infinities
-        for (int64_t d = 0; d < D; ++d) acc[i][g][d] = 0.f;
-      }
+    alignas(64) int32_t qt[G][D / 2][QT];  // query dim pairs, lanes = rows
+    alignas(64) float acc[G][D][QT];       // lanes = rows
+    alignas(64) int32_t vi[8][D];          // 16 keys' V: (v[2t][d], v[2t+1][d]) per dim d
+    __m512 m[G], l[G];
+    const __mmask16 row_mask = static_cast<__mmask16>((1u << rows) - 1u);
+    // Positions of the tile's rows; lanes past the last row repeat it (computed, never stored).
+    const __m512i pos = _mm512_min_epi32(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(first_pos)), lane),
+                                         _mm512_set1_epi32(static_cast<int32_t>(first_pos + rows - 1)));
+    const __m512i q_rows = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(q_row / 2)));
+    for (int g = 0; g < G; ++g) {
+      const int32_t* q0 = reinterpret_cast<const int32_t*>(q + (q_start[p] + r0) * q_row + (h * G + g) * D);
+      for (int pr = 0; pr < D / 2; ++pr)
+        _mm512_store_si512(qt[g][pr], _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), row_mask,
+                                                                   _mm512_add_epi32(q_rows, _mm512_set1_epi32(pr)), q0, 4));
+      for (int d = 0; d < D; ++d) _mm512_store_ps(acc[g][d], _mm512_setzero_ps());
+      m[g] = neg_big, l[g] = _mm512_setzero_ps();
+    }
     const int64_t num_keys = first_pos + rows;  // the last row attends this many keys
     for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
       const int64_t off = blocks[j0 / BS] * BS * D + (j0 % BS) * D;
-      const at::BFloat16* kb = kh + off;
+      const int32_t* kb = reinterpret_cast<const int32_t*>(kh + off);
       const at::BFloat16* vb = vh + off;
       const int64_t nk = std::min<int64_t>(16, num_keys - j0);
-      // K of the 16 keys, pair-major: kt[p] holds (k[2p], k[2p+1]) of each key in its lane, so a query's
-      // 16 scores are 32 dot-product steps against broadcast query pairs, with no horizontal sums.
-      for (int pr = 0; pr < 32; ++pr)
-        _mm512_store_si512(kt + pr, _mm512_i32gather_epi32(_mm512_add_epi32(key_rows, _mm512_set1_epi32(pr)), kb, 4));
-      for (int64_t t = 0; t < nk; ++t)
-        for (int c = 0; c < 4; ++c) {
-          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vb + t * D + 16 * c));
-          _mm512_store_ps(vf[t] + 16 * c, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+      if (j0 + 16 < num_keys) {
+        const int64_t next = blocks[(j0 + 16) / BS] * BS * D + ((j0 + 16) % BS) * D;
+        prefetch_rows(kh + next, 16 * D * 2);
+        prefetch_rows(vh + next, 16 * D * 2);
+      }
+      for (int tp = 0; tp < 8; ++tp) {  // keys past nk get zero V (their rows may hold anything)
+        const at::BFloat16* v0 = vb + 2 * tp * D;
+        const __m512i a0 = 2 * tp < nk ? _mm512_loadu_si512(v0) : _mm512_setzero_si512();
+        const __m512i a1 = 2 * tp < nk ? _mm512_loadu_si512(v0 + 32) : _mm512_setzero_si512();
+        const __m512i b0 = 2 * tp + 1 < nk ? _mm512_loadu_si512(v0 + D) : _mm512_setzero_si512();
+        const __m512i b1 = 2 * tp + 1 < nk ? _mm512_loadu_si512(v0 + D + 32) : _mm512_setzero_si512();
+        _mm512_store_si512(vi[tp], _mm512_permutex2var_epi16(a0, vlo, b0));
+        _mm512_store_si512(vi[tp] + 16, _mm512_permutex2var_epi16(a0, vhi, b0));
+        _mm512_store_si512(vi[tp] + 32, _mm512_permutex2var_epi16(a1, vlo, b1));
+        _mm512_store_si512(vi[tp] + 48, _mm512_permutex2var_epi16(a1, vhi, b1));
+      }
+      const bool causal = j0 + 15 > first_pos;  // some key of this chunk lies past some row's position
+      for (int g = 0; g < G; ++g) {
+        __m512 s[16];
+        for (int t = 0; t < 16; ++t) s[t] = _mm512_setzero_ps();
+        for (int pr = 0; pr < D / 2; ++pr) {
+          const __m512bh qv = (__m512bh)_mm512_load_si512(qt[g][pr]);
+          for (int t = 0; t < 16; ++t)
+            s[t] = _mm512_dpbf16_ps(s[t], qv, (__m512bh)_mm512_set1_epi32(kb[t * (D / 2) + pr]));
         }
-      for (int64_t i = 0; i < rows; ++i) {
-        const int64_t valid = std::min<int64_t>(16, first_pos + i - j0 + 1);  // causal: keys <= position
-        if (valid <= 0) continue;
-        const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1u);
-        const int64_t qi = q_start[p] + r0 + i;
-        for (int g = 0; g < G; ++g) {
-          const int32_t* qp = reinterpret_cast<const int32_t*>(q + qi * q_row + (h * G + g) * D);
-          __m512 d4[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-          for (int pr = 0; pr < 32; pr += 4)
-            for (int c = 0; c < 4; ++c)
-              d4[c] = _mm512_dpbf16_ps(d4[c], (__m512bh)_mm512_set1_epi32(qp[pr + c]), (__m512bh)_mm512_load_si512(kt + pr + c));
-          const __m512 dots = _mm512_add_ps(_mm512_add_ps(d4[0], d4[1]), _mm512_add_ps(d4[2], d4[3]));
-          const __m512 s = _mm512_mask_mov_ps(neg_inf, keep, _mm512_mul_ps(dots, vscale));
-          const float m_new = std::max(m[i][g], hmax(s));
-          _mm512_store_ps(sc, _mm512_sub_ps(s, _mm512_set1_ps(m_new)));
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int t = 0; t < 16; ++t) {
-            sc[t] = std::exp(sc[t]);
-            sum += sc[t];
-          }
-          const float alpha = std::exp(m[i][g] - m_new);
-          m[i][g] = m_new;
-          l[i][g] = l[i][g] * alpha + sum;
-          float* a = acc[i][g];
-          __m512 a4[4];
-          const __m512 va = _mm512_set1_ps(alpha);
-          for (int c = 0; c < 4; ++c) a4[c] = _mm512_mul_ps(_mm512_load_ps(a + 16 * c), va);
-          for (int64_t t = 0; t < valid; ++t) {
-            const __m512 pt = _mm512_set1_ps(sc[t]);
-            for (int c = 0; c < 4; ++c) a4[c] = _mm512_fmadd_ps(pt, _mm512_load_ps(vf[t] + 16 * c), a4[c]);
-          }
-          for (int c = 0; c < 4; ++c) _mm512_store_ps(a + 16 * c, a4[c]);
+        __m512 mx = neg_big;
+        for (int t = 0; t < 16; ++t) {
+          s[t] = _mm512_mul_ps(s[t], scale2);
+          if (causal)
+            s[t] = _mm512_mask_mov_ps(neg_big, _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(j0 + t))), s[t]);
+          mx = _mm512_max_ps(mx, s[t]);
+        }
+        const __m512 m_new = _mm512_max_ps(m[g], mx);
+        const __m512 alpha = exp2_ps(_mm512_sub_ps(m[g], m_new));
+        m[g] = m_new;
+        __m512 sum = _mm512_setzero_ps();
+        for (int t = 0; t < 16; ++t) {
+          s[t] = exp2_ps(_mm512_sub_ps(s[t], m_new));
+          sum = _mm512_add_ps(sum, s[t]);
+        }
+        l[g] = _mm512_fmadd_ps(l[g], alpha, sum);
+        __m512bh pp[8];
+        for (int tp = 0; tp < 8; ++tp)
+          pp[tp] = (__m512bh)_mm512_permutexvar_epi16(pil, (__m512i)_mm512_cvtne2ps_pbh(s[2 * tp + 1], s[2 * tp]));
+        for (int dc = 0; dc < D; dc += 16) {
+          __m512 a[16];
+          for (int k = 0; k < 16; ++k) a[k] = _mm512_mul_ps(_mm512_load_ps(acc[g][dc + k]), alpha);
+          for (int tp = 0; tp < 8; ++tp)
+            for (int k = 0; k < 16; ++k)
+              a[k] = _mm512_dpbf16_ps(a[k], pp[tp], (__m512bh)_mm512_set1_epi32(vi[tp][dc + k]));
+          for (int k = 0; k < 16; ++k) _mm512_store_ps(acc[g][dc + k], a[k]);
         }
       }
     }
-    for (int64_t i = 0; i < rows; ++i)
-      for (int g = 0; g < G; ++g) {
+    const __m512i dim_rows = _mm512_mullo_epi32(lane, _mm512_set1_epi32(QT));  // acc[g][16c + lane][i]
+    for (int g = 0; g < G; ++g) {
+      alignas(64) float inv[QT];
+      _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l[g]));
+      for (int64_t i = 0; i < rows; ++i) {
         at::BFloat16* o = out + (q_start[p] + r0 + i) * out_row + (h * G + g) * D;
-        const __m512 inv = _mm512_set1_ps(1.f / l[i][g]);
-        for (int c = 0; c < 4; ++c) store_bf16x16(o + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[i][g] + 16 * c), inv));
+        const __m512 vinv = _mm512_set1_ps(inv[i]);
+        for (int c = 0; c < 4; ++c) {
+          const __m512 v = _mm512_i32gather_ps(_mm512_add_epi32(dim_rows, _mm512_set1_epi32(static_cast<int32_t>(16 * c * QT + i))), &acc[g][0][0], 4);
+          store_bf16x16(o + 16 * c, _mm512_mul_ps(v, vinv));
+        }
       }
+    }
   });
 }
 #endif
