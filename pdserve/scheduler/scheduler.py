@@ -220,14 +220,19 @@ class Scheduler:
 
     def _swap_in(self) -> list[tuple[int, int]]:
         """Bring swapped requests back, oldest first, while sequence slots last and device blocks cover
-        their KV and next token and still leave every running decode the block its next token may need
-        (otherwise the request would be swapped straight out again). They rejoin `running` in arrival
-        order, so the newest request stays the next victim. Returns the (host block, device block)
-        copies to make."""
+        their KV and next token and still leave every running request the blocks of its next step: a
+        decode's next token, a prompt's next chunk (otherwise the request would be swapped straight out
+        again, or an older prompt left short would preempt itself and restart: found by the random
+        workloads, two long prompts trading places forever). They rejoin `running` in arrival order, so
+        the newest request stays the next victim. Returns the (host block, device block) copies to make."""
         bm = self.block_manager
         assert self.host_pool is not None
         copies: list[tuple[int, int]] = []
-        headroom = sum(max(0, bm.num_blocks_for(r.num_tokens) - len(r.block_ids)) for r in self.running if r.is_decode)
+        chunk = self.config.chunk_size or self.config.max_num_batched_tokens
+        headroom = sum(
+            max(0, bm.num_blocks_for(min(r.num_tokens, r.num_computed_tokens + chunk)) - len(r.block_ids))
+            for r in self.running
+        )
         while self.swapped and len(self.running) < self.config.max_num_seqs:
             req = self.swapped[0]
             if bm.num_blocks_for(req.num_computed_tokens + 1) + headroom > bm.num_free_blocks:

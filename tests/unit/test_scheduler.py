@@ -616,6 +616,18 @@ def test_swap_in_is_not_swapped_straight_out_again() -> None:
     assert run_workload("prefill-first", w, 0).num_swapped_in > 0
 
 
+def test_swap_in_leaves_running_prompts_their_next_chunk() -> None:
+    """Found by the random workloads: two long prompts that cannot both fit. The older one, one token
+    short of its prompt, swapped the newer one out; the swap-in took the blocks it needed next, so it
+    preempted itself (no host room for it: recompute) and the two traded places forever."""
+    w = Workload(
+        block_size=1, num_blocks=25, budget=4, max_num_seqs=2, chunk_size=2, prefix_caching=False,
+        arrivals=[(0, [1] * 23, 1), (0, [1], 1), (0, [1], 1), (0, [1] * 23, 1), (0, [1], 1)], aborts=[],
+        num_host_blocks=2,
+    )
+    assert run_workload("chunked", w, 0).num_swapped_in > 0
+
+
 def test_swap_falls_back_to_recompute_when_the_host_tier_is_full() -> None:
     sched = make_scheduler(
         "chunked", budget=16, num_blocks=4, block_size=2, max_num_seqs=2, prefix_caching=False, num_host_blocks=1
