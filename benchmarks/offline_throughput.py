@@ -146,12 +146,13 @@ def main() -> None:
     ap.add_argument("--phase-prompt-len", type=int, default=256)
     ap.add_argument("--skip-phases", action="store_true")
     ap.add_argument("--no-fused-ops", action="store_true", help="plain torch elementwise ops (A/B of model/ops.py)")
+    ap.add_argument("--linear-kernel", default="auto", help="auto | pdserve | onednn | torch (A/B of model/linear.py)")
     ap.add_argument("--out", default="results/offline_throughput.json")
     args = ap.parse_args()
 
     llm = LLM(model=args.model, dtype=args.dtype, scheduler=args.scheduler, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=args.kv_cache_memory_gb,
-              fused_cpu_ops=not args.no_fused_ops)
+              fused_cpu_ops=not args.no_fused_ops, linear_kernel=args.linear_kernel)
     tok = llm.engine.tokenizer
     reqs = sample_sharegpt(tok, args.num_prompts, seed=args.seed)
     llm.generate([r.prompt for r in reqs[:8]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up

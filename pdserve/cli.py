@@ -60,6 +60,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-fused-ops", action="store_true",
                    help="bf16 on CPU: keep the layer's elementwise steps as plain torch ops")
+    g.add_argument("--linear-kernel", default="auto", choices=["auto", "pdserve", "onednn", "torch"],
+                   help="bf16 on CPU: the projections' matmul (auto: pdserve's kernel where it builds)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -118,6 +120,7 @@ def engine_config(args: argparse.Namespace, num_threads: int | None = None):  # 
         num_threads=num_threads if num_threads is not None else args.num_threads,
         attention_backend=args.attention_backend,
         fused_cpu_ops=not args.no_fused_ops,
+        linear_kernel=args.linear_kernel,
         seed=args.seed,
         cache=CacheConfig(
             args.block_size, None, args.kv_cache_memory_gb, not args.no_prefix_caching, args.swap_space

@@ -141,6 +141,7 @@ class EngineConfig:
     num_threads: int | None = None
     attention_backend: str = "auto"  # auto | torch | torch-compiled | cpu-paged (auto: see LLMEngine)
     fused_cpu_ops: bool = True  # bf16 on CPU: the layer's elementwise steps as fused C++ calls (model/ops.py)
+    linear_kernel: str = "auto"  # bf16 on CPU: auto | pdserve | onednn | torch (model/linear.py)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)

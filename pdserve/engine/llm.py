@@ -37,6 +37,7 @@ class LLM:
         num_threads: int | None = None,
         attention_backend: str = "auto",
         fused_cpu_ops: bool = True,
+        linear_kernel: str = "auto",
         seed: int = 0,
         model_config: ModelConfig | None = None,
         weights: dict | None = None,
@@ -51,6 +52,7 @@ class LLM:
             num_threads=num_threads,
             attention_backend=attention_backend,
             fused_cpu_ops=fused_cpu_ops,
+            linear_kernel=linear_kernel,
             seed=seed,
             cache=CacheConfig(block_size, num_blocks, kv_cache_memory_gb, enable_prefix_caching, swap_space_gb),
             scheduler=SchedulerConfig(

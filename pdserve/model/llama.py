@@ -18,6 +18,7 @@ from torch import nn
 
 from pdserve.attention.base import AttentionBackend, AttentionMetadata
 from pdserve.config import ModelConfig
+from pdserve.model.linear import LINEAR_KINDS, PackedLinear, cpu_linear_packer
 from pdserve.model.ops import FusedCpuOps, TorchOps, fused_cpu_ops, rms_norm
 
 
@@ -42,20 +43,17 @@ class LlamaLayer(nn.Module):
         self.o = nn.Parameter(torch.empty(d, self.q_size), requires_grad=False)
         self.gate_up = nn.Parameter(torch.empty(2 * cfg.intermediate_size, d), requires_grad=False)
         self.down = nn.Parameter(torch.empty(d, cfg.intermediate_size), requires_grad=False)
-        self.packed: dict[str, torch.Tensor] = {}  # oneDNN-packed copies of the projections (CPU, bf16)
+        self.packed: dict[str, PackedLinear] = {}  # packed copies of the projections (CPU, bf16: linear.py)
 
     def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         packed = self.packed.get(name)
         if packed is None:
             return F.linear(x, getattr(self, name))
-        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [None], "")
+        return packed(x)
 
-    def prepack(self) -> None:
-        """Keep oneDNN's blocked layout of each projection: 1.3-2x faster at decode batch sizes (M <= 32)
-        in bf16 on AVX-512 CPUs, bit-identical results, equal at large M. The plain weights stay (loading,
-        tests); this costs one more copy of the layer weights."""
+    def prepack(self, pack: Callable[[torch.Tensor], PackedLinear]) -> None:
         for name in ("qkv", "o", "gate_up", "down"):
-            self.packed[name] = torch.ops.mkldnn._reorder_linear_weight(getattr(self, name), None)
+            self.packed[name] = pack(getattr(self, name))
 
     def forward(
         self,
@@ -91,7 +89,7 @@ class LlamaModel(nn.Module):
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.ops: TorchOps | FusedCpuOps = TorchOps()
-        self.packed_lm_head: torch.Tensor | None = None  # oneDNN-packed copy (CPU, bf16)
+        self.packed_lm_head: PackedLinear | None = None  # packed copy (CPU, bf16)
 
     def forward(
         self,
@@ -112,14 +110,19 @@ class LlamaModel(nn.Module):
                 after_layer(i)
         return x + delta
 
-    def prepack_for_cpu(self) -> bool:
-        """Pack projection weights for oneDNN when that is the fast path (CPU, bf16); returns whether it did."""
-        if self.embed.device.type != "cpu" or self.embed.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+    def prepack_for_cpu(self, kind: str = "auto") -> bool:
+        """Pack the projections and the output head for a CPU bf16 matmul kernel (`linear.py`; `kind`
+        names one, "auto" picks the fastest that works here); returns whether it did."""
+        if kind not in LINEAR_KINDS:
+            raise ValueError(f"unknown linear kernel {kind!r}; choose from {LINEAR_KINDS}")
+        if self.embed.device.type != "cpu" or self.embed.dtype != torch.bfloat16:
+            return False
+        pack = cpu_linear_packer(kind)
+        if pack is None:
             return False
         for layer in self.layers:
-            layer.prepack()
-        # The output head too: 1.3-1.8x faster at 16-128 rows here, bit-identical (49,152 x 576).
-        self.packed_lm_head = torch.ops.mkldnn._reorder_linear_weight(self.lm_head, None)
+            layer.prepack(pack)
+        self.packed_lm_head = pack(self.lm_head)
         return True
 
     def use_fused_cpu_ops(self) -> bool:
@@ -137,7 +140,7 @@ class LlamaModel(nn.Module):
         """Float32 logits for the given rows of hidden states (only the rows that sample)."""
         h = rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
         if self.packed_lm_head is not None:
-            return torch.ops.mkldnn._linear_pointwise(h, self.packed_lm_head, None, "none", [None], "").float()
+            return self.packed_lm_head(h).float()
         return F.linear(h, self.lm_head).float()
 
     @torch.no_grad()

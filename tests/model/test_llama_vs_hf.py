@@ -81,17 +81,21 @@ def test_greedy_matches_hf_generate(make_tiny_llm, hf_model):
         assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, 24)
 
 
-def test_prepacked_projections_are_bit_identical(tiny_weights):
+def test_onednn_prepacked_projections_are_bit_identical(tiny_weights):
     from pdserve.model.llama import LlamaModel
 
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build")
     model = LlamaModel(TINY)
     model.load_hf_weights(tiny_weights)
     model = model.to(torch.bfloat16)
     layer = model.layers[0]
     x = torch.randn(5, TINY.hidden_size, dtype=torch.bfloat16)
     plain = [layer.linear(x, "qkv"), layer.linear(x, "gate_up"), model.compute_logits(x)]
-    assert model.prepack_for_cpu()
+    assert model.prepack_for_cpu("onednn")
     assert set(layer.packed) == {"qkv", "o", "gate_up", "down"} and model.packed_lm_head is not None
     packed = [layer.linear(x, "qkv"), layer.linear(x, "gate_up"), model.compute_logits(x)]
     for a, b in zip(plain, packed):
         assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="unknown linear kernel"):
+        model.prepack_for_cpu("mkl")
