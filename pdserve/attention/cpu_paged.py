@@ -55,6 +55,9 @@ class CpuPagedAttention(TorchAttention):
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup, scale: float) -> torch.Tensor:
         return self._kernel.paged_decode(q, k_cache, v_cache, g.block_table, g.context_lens, scale)
 
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+        self._kernel.write_kv(k, v, k_cache, v_cache, slots)
+
     def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
         m = meta
         if m.prefill_block_table is not None and m.prefill_context_lens is not None:

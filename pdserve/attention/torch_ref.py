@@ -19,9 +19,7 @@ class TorchAttention:
     pads_decodes = True
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:  # type: ignore[no-untyped-def]
-        kvh, num_blocks, block_size, d = k_cache.shape
-        k_cache.view(kvh, -1, d).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        v_cache.view(kvh, -1, d).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         groups = meta.decode_groups
         if not meta.prefills and len(groups) == 1 and groups[0].num_seqs == q.shape[0]:
             return self.decode(q, k_cache, v_cache, groups[0], scale)  # a decode-only step: no copy into `out`
@@ -33,6 +31,12 @@ class TorchAttention:
         if meta.prefills:
             self.prefill(q, k, v, k_cache, v_cache, meta, scale, out)
         return out
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+        """k, v [T, KVH, D] into the caches [KVH, blocks, block_size, D] at slots (block * block_size + offset)."""
+        kvh, _, _, d = k_cache.shape
+        k_cache.view(kvh, -1, d).index_copy_(1, slots, k.transpose(0, 1))
+        v_cache.view(kvh, -1, d).index_copy_(1, slots, v.transpose(0, 1))
 
     def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
         """Attention of every prefill chunk, into its rows of `out` (K/V already in the cache)."""
