@@ -173,7 +173,9 @@ void with_group_size(int64_t G, const F& f) {
 
 // bf16 K/V, head_dim 64, G query heads per kv head: AVX-512 BF16 dot products for q.k (32 pairs per
 // instruction, no conversion of K), 16 tokens' scores reduced together, register-resident
-// accumulators for p.v, and the next block prefetched while one is processed (blocks are scattered).
+// accumulators for p.v, and blocks prefetched kPrefetch ahead (blocks are scattered: 30 layers' caches
+// of 10 x 1,200 tokens in random blocks read at 21 GB/s with one block ahead, 26-28 with 4-12).
+constexpr int64_t kPrefetch = 6;
 template <int G>
 void decode_bf16_d64(const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache,
                      const int64_t* table, const int64_t* ctx, at::BFloat16* out, int64_t B, int64_t H,
@@ -196,7 +198,11 @@ void decode_bf16_d64(const at::BFloat16* q, const at::BFloat16* k_cache, const a
     const at::BFloat16* vh = v_cache + h * NB * BS * D;
     for (int64_t j = 0; j < nblocks; ++j) {
       const at::BFloat16* kb = kh + blocks[j] * BS * D;
-      if (j + 1 < nblocks) prefetch_rows(kh + blocks[j + 1] * BS * D, BS * D * 2);
+      // Blocks kPrefetch ahead, running on into the first V blocks at the end of the K pass.
+      if (j == 0)
+        for (int64_t a = 1; a < kPrefetch && a < nblocks; ++a) prefetch_rows(kh + blocks[a] * BS * D, BS * D * 2);
+      if (j + kPrefetch < nblocks) prefetch_rows(kh + blocks[j + kPrefetch] * BS * D, BS * D * 2);
+      else if (j + kPrefetch - nblocks < nblocks) prefetch_rows(vh + blocks[j + kPrefetch - nblocks] * BS * D, BS * D * 2);
       const int64_t t0 = j * BS, n = std::min(BS, L - t0);
       int64_t t = 0;
       for (; t + 16 <= BS && t < n; t += 16) {  // 16 rows at a time (rows past n are read, never used)
@@ -227,7 +233,7 @@ void decode_bf16_d64(const at::BFloat16* q, const at::BFloat16* k_cache, const a
       for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_setzero_ps();
     for (int64_t j = 0; j < nblocks; ++j) {
       const at::BFloat16* vb = vh + blocks[j] * BS * D;
-      if (j + 1 < nblocks) prefetch_rows(vh + blocks[j + 1] * BS * D, BS * D * 2);
+      if (j + kPrefetch < nblocks) prefetch_rows(vh + blocks[j + kPrefetch] * BS * D, BS * D * 2);
       const int64_t t0 = j * BS, n = std::min(BS, L - t0);
       for (int64_t t = 0; t < n; ++t) {
         const at::BFloat16* v = vb + t * D;
