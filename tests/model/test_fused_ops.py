@@ -74,3 +74,18 @@ def test_model_forward_matches_with_fused_ops(tiny_weights):
         for lp_ref, lp_got in zip(ref.outputs[0].logprobs, got.outputs[0].logprobs):
             for tok in lp_ref.keys() & lp_got.keys():
                 assert lp_got[tok] == pytest.approx(lp_ref[tok], abs=0.05)
+
+
+@pytest.mark.parametrize("rows", [1, 9, 40])
+def test_silu_mul(rows):
+    """F.silu(gate) * up with its two bf16 roundings: the fused op's own exp may differ from torch's in
+    the last float32 bit, which changes a bf16 result only when it sits on a rounding boundary."""
+    gate_up = (rand(rows, 2 * 1536 + 2 * 5, dtype=torch.float32, seed=6) * 4).bfloat16()  # width off 16
+    ref = TorchOps.silu_mul(gate_up)
+    got = fused.silu_mul(gate_up)
+    assert got.shape == ref.shape
+    assert ulp_diff(got, ref).max() <= 1
+    assert (got == ref).float().mean() > 0.999
+    # Large magnitudes: exp overflows to inf (silu -> -0) or underflows to 0 (silu -> x), as in torch.
+    big = torch.tensor([[-200.0, -90.0, 90.0, 200.0, 3.0, 5.0, 7.0, 9.0]]).bfloat16()
+    assert torch.equal(fused.silu_mul(big), TorchOps.silu_mul(big))
