@@ -1,12 +1,12 @@
-// y = x W^T for bf16 on CPUs with AVX-512 BF16, written for the decode step's small row counts.
+// y = x W^T for bf16 on CPUs with AVX-512 BF16, for decode steps' few rows and prompts' many alike.
 //
 // W is packed once into 32-column panels of k pairs, [N/32][K/2][32][2], so a panel is one contiguous
 // stream and each pair of k of 32 columns is two vectors that `vdpbf16ps` takes as they are; a row of x
 // contributes one broadcast pair per k pair. Up to 12 rows share each loaded vector (24 accumulators in
-// registers). With more rows than one tile, the panel is walked in 8 KB slices that every row tile uses
-// in turn while the slice is in L1, so W streams from memory once per call whatever the row count, and
-// the next slice is prefetched while one is used: at decode batch sizes the call runs at the memory
-// bandwidth instead of alternating between a memory-bound first tile and compute-bound later ones.
+// registers), and W is software-prefetched 8 KB ahead in the panel, which keeps a decode step's weight
+// stream near the memory bandwidth. Rows come in blocks of 192 whose x stays in L2 while the panels pass
+// over it; a panel stays in L1 for the block's row tiles. (Walking a panel in slices shared by all row
+// tiles, to stream W once for up to 64 rows, measured no better once the prefetch ran 8 KB ahead.)
 // Accumulation is fp32 in a fixed k order per output element, so a row's result does not depend on the
 // other rows of the call (batch-invariant); the output is rounded to bf16 to nearest even.
 #include <torch/extension.h>
@@ -14,12 +14,12 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
 
 namespace {
 constexpr int64_t kPanel = 32;    // output columns per panel (two vectors)
 constexpr int64_t kMaxRows = 12;  // rows per register tile
-constexpr int64_t kSlice = 64;    // k pairs per slice of a panel shared by the row tiles (8 KB)
+constexpr int64_t kPrefetch = 64;   // k pairs ahead that W is prefetched (8 KB of a panel)
+constexpr int64_t kBlockRows = 192; // rows per block: x of a block stays in L2 while the panels pass
 }  // namespace
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -35,19 +35,16 @@ inline void store_bf16x16(at::BFloat16* o, __m512 v, __mmask16 keep) {
   _mm256_mask_storeu_epi16(o, keep, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
 }
 
-// Rows [0, R) of x (int32 = one k pair, row stride xs) against one panel, k pairs [kp0, kp1). The
-// accumulators start from zero (first) or from acc, and go back to acc or, on the last slice, to o as
+// Rows [0, R) of x (int32 = one k pair, row stride xs) against one panel, all K/2 k pairs, to o as
 // bf16 (columns masked by keep0/keep1 on a partial last panel).
 template <int R>
-void tile(const int32_t* x, int64_t xs, const __m512i* w, int64_t kp0, int64_t kp1, float* acc_mem, bool first,
-          bool last, at::BFloat16* o, int64_t os, __mmask16 keep0, __mmask16 keep1) {
+void tile(const int32_t* x, int64_t xs, const __m512i* w, int64_t KP, at::BFloat16* o, int64_t os, __mmask16 keep0,
+          __mmask16 keep1) {
   __m512 acc[R][2];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 2; ++c)
-      acc[r][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_mem + r * kPanel + 16 * c);
-  for (int64_t kp = kp0; kp < kp1; ++kp) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + 2 * (kp + kSlice)), _MM_HINT_T0);  // next slice
-    _mm_prefetch(reinterpret_cast<const char*>(w + 2 * (kp + kSlice) + 1), _MM_HINT_T0);
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < KP; ++kp) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + 2 * (kp + kPrefetch)), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + 2 * (kp + kPrefetch) + 1), _MM_HINT_T0);
     const __m512bh w0 = (__m512bh)_mm512_load_si512(w + 2 * kp), w1 = (__m512bh)_mm512_load_si512(w + 2 * kp + 1);
     for (int r = 0; r < R; ++r) {
       const __m512bh xb = (__m512bh)_mm512_set1_epi32(x[r * xs + kp]);
@@ -56,23 +53,18 @@ void tile(const int32_t* x, int64_t xs, const __m512i* w, int64_t kp0, int64_t k
     }
   }
   for (int r = 0; r < R; ++r) {
-    if (last) {
-      store_bf16x16(o + r * os, acc[r][0], keep0);
-      store_bf16x16(o + r * os + 16, acc[r][1], keep1);
-    } else {
-      _mm512_storeu_ps(acc_mem + r * kPanel, acc[r][0]);
-      _mm512_storeu_ps(acc_mem + r * kPanel + 16, acc[r][1]);
-    }
+    store_bf16x16(o + r * os, acc[r][0], keep0);
+    store_bf16x16(o + r * os + 16, acc[r][1], keep1);
   }
 }
 
 template <int R>
-void run_tile(const int32_t* x, int64_t xs, const __m512i* w, int64_t kp0, int64_t kp1, float* acc, bool first,
-              bool last, at::BFloat16* o, int64_t os, __mmask16 k0, __mmask16 k1, int64_t rows) {
+void run_tile(const int32_t* x, int64_t xs, const __m512i* w, int64_t KP, at::BFloat16* o, int64_t os, __mmask16 k0,
+              __mmask16 k1, int64_t rows) {
   if constexpr (R > 1) {
-    if (rows < R) return run_tile<R - 1>(x, xs, w, kp0, kp1, acc, first, last, o, os, k0, k1, rows);
+    if (rows < R) return run_tile<R - 1>(x, xs, w, KP, o, os, k0, k1, rows);
   }
-  tile<R>(x, xs, w, kp0, kp1, acc, first, last, o, os, k0, k1);
+  tile<R>(x, xs, w, KP, o, os, k0, k1);
 }
 
 }  // namespace
@@ -110,24 +102,20 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
   const int64_t xs = x.stride(0) / 2;
   const __m512i* w = reinterpret_cast<const __m512i*>(packed.data_ptr<at::BFloat16>());
   at::BFloat16* o = out.data_ptr<at::BFloat16>();
-  // Row tiles of near-equal size (16 rows: 8 + 8, not 12 + 4).
-  const int64_t tiles = (M + kMaxRows - 1) / kMaxRows, base = M / tiles, extra = M % tiles;
-  const int64_t slice = tiles == 1 ? KP : kSlice;
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> acc(tiles > 1 ? M * kPanel : 0);
-    for (int64_t p = p0; p < p1; ++p) {
+  // Blocks of kBlockRows rows (x stays in L2 while the panels pass over it) x panels (a panel stays in
+  // L1 for the block's row tiles), split over threads; row tiles of near-equal size (16 = 8 + 8).
+  const int64_t blocks = (M + kBlockRows - 1) / kBlockRows;
+  at::parallel_for(0, blocks * panels, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / panels, p = i % panels, first = b * kBlockRows, rows = std::min(kBlockRows, M - first);
       const int64_t cols = std::min(kPanel, n - p * kPanel);
-      const __mmask16 k0 = static_cast<__mmask16>((1u << std::min<int64_t>(cols, 16)) - 1u);
-      const __mmask16 k1 = static_cast<__mmask16>(cols > 16 ? (1u << (cols - 16)) - 1u : 0u);
-      const __m512i* wp = w + p * KP * 2;
-      for (int64_t kp0 = 0; kp0 < KP; kp0 += slice) {
-        const int64_t kp1 = std::min(KP, kp0 + slice);
-        for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
-          const int64_t rows = base + (t < extra ? 1 : 0);
-          run_tile<kMaxRows>(xp + m0 * xs, xs, wp, kp0, kp1, acc.data() + m0 * kPanel, kp0 == 0, kp1 == KP,
-                             o + m0 * n + p * kPanel, n, k0, k1, rows);
-          m0 += rows;
-        }
+      const auto k0 = static_cast<__mmask16>((1u << std::min<int64_t>(cols, 16)) - 1u);
+      const auto k1 = static_cast<__mmask16>(cols > 16 ? (1u << (cols - 16)) - 1u : 0u);
+      const int64_t tiles = (rows + kMaxRows - 1) / kMaxRows, base = rows / tiles, extra = rows % tiles;
+      for (int64_t t = 0, m0 = first; t < tiles; ++t) {
+        const int64_t r = base + (t < extra ? 1 : 0);
+        run_tile<kMaxRows>(xp + m0 * xs, xs, w + p * KP * 2, KP, o + m0 * n + p * kPanel, n, k0, k1, r);
+        m0 += r;
       }
     }
   });
