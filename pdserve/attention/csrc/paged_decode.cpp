@@ -452,14 +452,15 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 
 // Causal prefill attention for several sequences in one call, into `out` (rows of `q` outside the
 // sequences are left alone). q, out [T, H, D] bf16, heads and head_dim contiguous (rows may be strided:
-// q is a view into the fused QKV projection); caches [KVH, NB, BS, D] with BS a multiple of 16;
-// tables [P, max_blocks]; q_start, q_len, ctx [P] int64. Returns false (nothing done) when this build
-// or these shapes have no fast path: the caller then uses its own.
+// q is a view into the fused QKV projection; the row stride even, as q is read in pairs of dims);
+// caches [KVH, NB, BS, D] with BS a multiple of 16; tables [P, max_blocks]; q_start, q_len, ctx [P]
+// int64. Returns false (nothing done) when this build or these shapes have no fast path: the caller
+// then uses its own.
 bool paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
                    torch::Tensor q_start, torch::Tensor q_len, torch::Tensor ctx, double scale, torch::Tensor out) {
 #ifdef PDSERVE_HAVE_AVX512BF16
   const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(0), BS = k_cache.size(2);
-  const auto rows_ok = [&](const torch::Tensor& t) { return t.stride(2) == 1 && t.stride(1) == D; };
+  const auto rows_ok = [&](const torch::Tensor& t) { return t.stride(2) == 1 && t.stride(1) == D && t.stride(0) % 2 == 0; };
   if (q.scalar_type() != torch::kBFloat16 || out.scalar_type() != torch::kBFloat16 || D != 64 || H % KVH ||
       H / KVH > 4 || BS % 16 || !rows_ok(q) || !rows_ok(out) || !k_cache.is_contiguous() || !v_cache.is_contiguous())
     return false;
