@@ -84,15 +84,20 @@ def test_decode_groups_bound_padding():
     assert _decode_groups([]) == []
 
 
+@pytest.fixture(scope="module")
+def cpu_paged():
+    """The C++ backend, or a skip where no compiler can build it."""
+    try:
+        return get_attention_backend("cpu-paged")
+    except Exception as e:  # no compiler here
+        pytest.skip(f"cpu-paged unavailable: {e}")
+
+
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_cpu_paged_decode_long_contexts(block_size):
+def test_cpu_paged_decode_long_contexts(cpu_paged, block_size):
     """The C++ decode kernel on 16-token blocks (its 16-rows-at-a-time path, with partial last blocks)
     over many requests of very different context lengths (its per-thread split), against naive
     attention; and the same result with one thread as with two."""
-    try:
-        backend = get_attention_backend("cpu-paged")
-    except Exception as e:  # no compiler here
-        pytest.skip(f"cpu-paged unavailable: {e}")
     g = torch.Generator().manual_seed(1)
     H, KVH, D, nblocks = 9, 3, 64, 256
     ctx = [1, 15, 16, 17, 33, 250, 700, 2, 64, 129]
@@ -104,7 +109,7 @@ def test_cpu_paged_decode_long_contexts(block_size):
     table = torch.tensor([t + [0] * (max_nb - len(t)) for t in tables])
     q = torch.randn(len(ctx), H, D, generator=g).bfloat16()
     group = DecodeGroup(0, len(ctx), table, torch.tensor(ctx), None)  # type: ignore[arg-type]
-    out = backend.decode(q, k_cache, v_cache, group, D**-0.5)
+    out = cpu_paged.decode(q, k_cache, v_cache, group, D**-0.5)
     for i, (c, t) in enumerate(zip(ctx, tables)):
         rows = torch.tensor([t[j // block_size] * block_size + j % block_size for j in range(c)])
         kk = k_cache.reshape(KVH, -1, D)[:, rows].transpose(0, 1)  # [c, KVH, D]
@@ -114,19 +119,15 @@ def test_cpu_paged_decode_long_contexts(block_size):
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(backend.decode(q, k_cache, v_cache, group, D**-0.5), out)
+        assert torch.equal(cpu_paged.decode(q, k_cache, v_cache, group, D**-0.5), out)
     finally:
         torch.set_num_threads(threads)
 
 
-def test_cpu_paged_prefill_kernel():
+def test_cpu_paged_prefill_kernel(cpu_paged):
     """The C++ prefill kernel: fresh prompts and chunks with cached context (prefix hits, chunked
     prefill), lengths off the 16-row tiles, queries attending causally through scattered blocks;
     against naive attention, all sequences in one call, other rows of `out` untouched."""
-    try:
-        backend = get_attention_backend("cpu-paged")
-    except Exception as e:  # no compiler here
-        pytest.skip(f"cpu-paged unavailable: {e}")
     g = torch.Generator().manual_seed(2)
     H, KVH, D, bs, nblocks = 9, 3, 64, 16, 128
     k_cache = torch.randn(KVH, nblocks, bs, D, generator=g).bfloat16()
@@ -144,7 +145,7 @@ def test_cpu_paged_prefill_kernel():
     starts = torch.tensor([pad + sum(n for _, n in shapes[:i]) for i in range(len(shapes))])
     lens = torch.tensor([n for _, n in shapes])
     ctx = torch.tensor([c + n for c, n in shapes])
-    if not backend._kernel.paged_prefill(q, k_cache, v_cache, table, starts, lens, ctx, D**-0.5, out):
+    if not cpu_paged._kernel.paged_prefill(q, k_cache, v_cache, table, starts, lens, ctx, D**-0.5, out):
         pytest.skip("no AVX-512 BF16 prefill kernel in this build")
     assert torch.all(out[:pad] == 7.0)
     for i, ((c, n), t) in enumerate(zip(shapes, tables)):
@@ -157,13 +158,9 @@ def test_cpu_paged_prefill_kernel():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_paged_write_kv_matches_index_copy(dtype):
+def test_cpu_paged_write_kv_matches_index_copy(cpu_paged, dtype):
     """The C++ KV write puts every (token, head) row where the reference index_copy_ does, from strided
     views of the fused projection, touches nothing else, and rejects a slot outside the cache."""
-    try:
-        backend = get_attention_backend("cpu-paged")
-    except Exception as e:  # no compiler here
-        pytest.skip(f"cpu-paged unavailable: {e}")
     g = torch.Generator().manual_seed(3)
     KVH, D, bs, nblocks, T = 3, 64, 16, 12, 37
     qkv = torch.randn(T, (9 + 2 * KVH) * D, generator=g).to(dtype)
@@ -172,8 +169,8 @@ def test_cpu_paged_write_kv_matches_index_copy(dtype):
     slots = torch.randperm(nblocks * bs, generator=g)[:T]
     caches = [torch.randn(KVH, nblocks, bs, D, generator=g).to(dtype) for _ in range(2)]
     ref = [c.clone() for c in caches]
-    backend.write_kv(k, v, caches[0], caches[1], slots)
+    cpu_paged.write_kv(k, v, caches[0], caches[1], slots)
     get_attention_backend("torch").write_kv(k, v, ref[0], ref[1], slots)
     assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
     with pytest.raises(RuntimeError, match="out of range"):
-        backend.write_kv(k[:1], v[:1], caches[0], caches[1], torch.tensor([nblocks * bs]))
+        cpu_paged.write_kv(k[:1], v[:1], caches[0], caches[1], torch.tensor([nblocks * bs]))
