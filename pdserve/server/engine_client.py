@@ -42,6 +42,7 @@ from pdserve.server.messages import (
     Shutdown,
 )
 from pdserve.server.metrics import ServerMetrics
+from pdserve.transfer.wire import DroppedMessages
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class EngineClient:
         self._closing = False
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CoreMessage)
+        self._dropped = DroppedMessages("front's input from the engine core")
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def start(self, tokenizer: object | None = None) -> Ready:
@@ -253,6 +255,11 @@ class EngineClient:
             frame = await self._pull.recv(copy=False)
             try:
                 msg = self._decoder.decode(frame.buffer)
+            except msgspec.DecodeError as e:
+                self._dropped.drop(e)
+                self.metrics.dropped["core_to_front"].inc()
+                continue
+            try:
                 if isinstance(msg, EngineOutputs):
                     self._on_outputs(msg)
             except Exception:  # a bad message must not stop the routing of every other one

@@ -37,6 +37,7 @@ from pdserve.server.messages import (
     StepStats,
     TransferStats,
 )
+from pdserve.transfer.wire import DroppedMessages
 
 if TYPE_CHECKING:
     from pdserve.engine.llm_engine import LLMEngine
@@ -116,6 +117,7 @@ class EngineCore:
         self._output.setsockopt(zmq.SNDHWM, 0)  # never block the loop on a slow front; it is local
         self._output.connect(addresses.output)
         self._decoder = msgspec.msgpack.Decoder(FrontMessage)
+        self._dropped = DroppedMessages("engine core's input from the front")
         self._encoder = msgspec.msgpack.Encoder()
         self._pending: list[RequestDelta] = []  # refusals to send with the next message
         self._stopping = False
@@ -192,8 +194,8 @@ class EngineCore:
             got = True
             try:
                 msg = self._decoder.decode(frame.buffer)
-            except msgspec.DecodeError:  # the front validates everything it sends; never crash the loop
-                logger.exception("dropping a message from the front that does not decode")
+            except msgspec.DecodeError as e:  # the front validates what it sends; never crash the loop
+                self._dropped.drop(e)
                 continue
             self._handle(msg)
 
@@ -240,7 +242,7 @@ class EngineCore:
                 )
             )
         engine = self.engine
-        stats = engine_stats(engine)
+        stats = engine_stats(engine, self._dropped.count)
         transfers = [
             TransferStats(r.direction, r.ok, r.num_tokens, r.num_bytes, r.duration)
             for r in (engine.connector.take_records() if engine.connector is not None else [])
@@ -251,9 +253,10 @@ class EngineCore:
         self._output.send(self._encoder.encode(msg), copy=False)
 
 
-def engine_stats(engine: LLMEngine) -> EngineStats:
+def engine_stats(engine: LLMEngine, num_dropped_front_messages: int = 0) -> EngineStats:
     """The engine's gauges and cumulative counters as sent to the front with every output message."""
     sched, bm = engine.scheduler, engine.block_manager
+    connector = engine.connector
     slo = sched.policy if isinstance(sched.policy, SLOAware) else None
     return EngineStats(
         sched.num_running,
@@ -268,4 +271,6 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         sched.num_swapped,
         sched.num_swapped_out_blocks,
         sched.num_swapped_in_blocks,
+        connector.transport.dropped.count if connector is not None else 0,
+        num_dropped_front_messages,
     )

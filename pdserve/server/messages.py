@@ -90,6 +90,10 @@ class EngineStats(msgspec.Struct, array_like=True):
     num_swapped: int = 0
     num_swapped_out_blocks: int = 0
     num_swapped_in_blocks: int = 0
+    # Messages dropped because they did not decode (cumulative): on the KV transport's sockets, and
+    # from the front.
+    num_dropped_kv_messages: int = 0
+    num_dropped_front_messages: int = 0
 
 
 class TransferStats(msgspec.Struct, array_like=True):

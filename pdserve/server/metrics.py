@@ -209,6 +209,15 @@ class ServerMetrics:
         self._transfers = Counter(
             "pdserve:kv_transfers", "Finished KV transfers, by outcome.", [*transfer_labels, "outcome"], registry=r
         )
+        # Messages that crossed a process or host boundary and were dropped because they did not decode.
+        dropped = Counter(
+            "pdserve:dropped_messages",
+            "Malformed messages dropped (never acted on), by channel: kv (the KV transport's sockets), "
+            "front_to_core and core_to_front (the server's two processes).",
+            ["model_name", "channel"],
+            registry=r,
+        )
+        self.dropped = {c: dropped.labels(model_name, c) for c in ("kv", "front_to_core", "core_to_front")}
         # Plain totals for the stats log (counters cannot be read back cheaply).
         self.total_prompt_tokens = 0
         self.total_generation_tokens = 0
@@ -231,6 +240,10 @@ class ServerMetrics:
             max(0, stats.num_ttft_violations_predicted - last.num_ttft_violations_predicted)
         )
         self.slo_rejected.inc(max(0, stats.num_slo_rejected - last.num_slo_rejected))
+        self.dropped["kv"].inc(max(0, stats.num_dropped_kv_messages - last.num_dropped_kv_messages))
+        self.dropped["front_to_core"].inc(
+            max(0, stats.num_dropped_front_messages - last.num_dropped_front_messages)
+        )
         if stats.step_model_coefficients is not None:
             for term, value in zip(_STEP_MODEL_TERMS, stats.step_model_coefficients):
                 self._step_model_coefficient.labels(self._model_name, term).set(value)

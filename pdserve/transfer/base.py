@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.transfer.wire import DroppedMessages
+
 
 class TransferState(enum.Enum):
     PENDING = "pending"  # opened; nothing moved yet
@@ -94,6 +96,7 @@ class KVTransport(ABC):
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
         self.address = ""
+        self.dropped = DroppedMessages(f"{self.name} KV transport")  # messages that did not decode
 
     # ---- prefill side --------------------------------------------------------------------------
     @abstractmethod

@@ -20,12 +20,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 import torch.distributed as dist
 import zmq
 
 from pdserve.transfer.base import KVChunk, KVDone, KVFailed, KVLayout, TransferError
-from pdserve.transfer.zmq_transport import _encode, _In, _int_keys, _Out, _ZmqTransport
+from pdserve.transfer.wire import ChunkHeader, DoneHeader, HelloHeader
+from pdserve.transfer.zmq_transport import _encode, _In, _Out, _ZmqTransport
 
 _CONNECT_TIMEOUT = datetime.timedelta(seconds=10)
 
@@ -55,9 +57,15 @@ class _Group:
             except Exception as e:  # noqa: BLE001 - a timed-out or broken p2p op fails its transfer
                 on_done(f"torch.distributed transfer failed: {e}")
 
-    def build(self, store: dist.Store, rank: int, device: torch.device) -> None:
+    def build(self, store: dist.Store | tuple[str, int], rank: int, device: torch.device) -> None:
+        """Join the group in a thread. `store`: the one we host (rank 0), or the (host, port) of the
+        peer's (rank 1: connecting to it waits for the peer, so it is done in the thread too)."""
+
         def run() -> None:
+            nonlocal store
             try:
+                if isinstance(store, tuple):
+                    store = dist.TCPStore(store[0], store[1], 2, False, timeout=_CONNECT_TIMEOUT)
                 prefixed = dist.PrefixStore("pdserve-kv/", store)
                 if device.type == "cuda":
                     from torch._C._distributed_c10d import ProcessGroupNCCL
@@ -115,7 +123,7 @@ class TorchDistTransport(_ZmqTransport):
             group = self._out_groups[dest] = _Group()
             try:
                 self._peers[dest].socket.send_multipart(
-                    [_encode(("hello", "", self.host, store.port))], flags=zmq.NOBLOCK
+                    [_encode(HelloHeader("", self.host, store.port))], flags=zmq.NOBLOCK
                 )
             except zmq.ZMQError as e:
                 raise TransferError(f"cannot reach KV receiver {dest!r}: {e}") from None
@@ -161,20 +169,25 @@ class TorchDistTransport(_ZmqTransport):
     # ---- decode side ---------------------------------------------------------------------------
     def poll_received(self) -> list[KVChunk | KVDone | KVFailed]:
         for identity, header, _ in self._messages():
-            kind, transfer_id = header[0], header[1]
-            if kind == "hello":
+            if isinstance(header, HelloHeader):
+                old = self._in_groups.get(identity)
+                if old is not None:  # a sender says hello once; a second one replaces its group
+                    old.works.put(None)
                 group = self._in_groups[identity] = _Group()
-                group.build(dist.TCPStore(header[2], header[3], 2, False, timeout=_CONNECT_TIMEOUT), 1, self.device)
+                group.build((header.host, header.port), 1, self.device)
                 continue
-            rec = self._accept(identity, transfer_id)
+            rec = self._accept(identity, header.transfer_id)
             if rec is None:
                 continue
-            if kind == "done":
-                self._arrivals.append(_Arrival(identity, KVDone(transfer_id, header[2], _int_keys(header[3]))))
-            elif kind == "chunk":
-                _, _, layer, start, n, _, tag = header
-                slot = self._chunk_event(rec, transfer_id, layer, start, n, None, [])  # empty until received
-                self._arrivals.append(_Arrival(identity, slot, tag))
+            if isinstance(header, DoneHeader):
+                done = KVDone(header.transfer_id, header.first_token, header.logprobs)
+                self._arrivals.append(_Arrival(identity, done))
+            elif header.tag is None:
+                failed = KVFailed(header.transfer_id, "a torch.distributed chunk header without its tag")
+                self._arrivals.append(_Arrival(identity, failed))
+            else:
+                slot = self._chunk_event(rec, replace_crc(header), [])  # empty until received
+                self._arrivals.append(_Arrival(identity, slot, header.tag))
         return self._ready_arrivals()
 
     def _chunk_tensor(self, rec: _In, layer: int, start: int, n: int, payload: list[zmq.Frame]) -> torch.Tensor:
@@ -211,6 +224,11 @@ class TorchDistTransport(_ZmqTransport):
         for group in [*self._out_groups.values(), *self._in_groups.values()]:
             group.works.put(None)
         super().close()
+
+
+def replace_crc(header: ChunkHeader) -> ChunkHeader:
+    """The data comes by the group, unchecksummed: a CRC in the header has nothing to check."""
+    return msgspec.structs.replace(header, crc=None)
 
 
 def _ignore(error: str | None) -> None:

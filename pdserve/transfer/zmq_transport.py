@@ -34,9 +34,10 @@ import torch
 import zmq
 
 from pdserve.transfer.base import KVAck, KVChunk, KVDone, KVFailed, KVLayout, KVTransport, TransferError
+from pdserve.transfer.wire import AckHeader, ChunkHeader, DoneHeader, HelloHeader, ToReceiver
 
 _encode = msgspec.msgpack.Encoder().encode
-_decode = msgspec.msgpack.Decoder().decode
+_MAX_ERROR = 4096  # characters of an ack's error text (AckHeader's bound)
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -88,6 +89,8 @@ class _ZmqTransport(KVTransport):
         self._out: dict[str, _Out] = {}
         self._in: dict[str, _In] = {}
         self._acks: list[KVAck] = []  # failures found locally, reported with the peers' acks
+        self._receiver_decoder = msgspec.msgpack.Decoder(ToReceiver)
+        self._ack_decoder = msgspec.msgpack.Decoder(AckHeader)
 
     # ---- prefill side --------------------------------------------------------------------------
     def open_send(self, transfer_id: str, dest: str, start: int, end: int) -> None:
@@ -114,12 +117,13 @@ class _ZmqTransport(KVTransport):
         if out is None:
             return  # failed or cancelled while the step ran
         extra, frames = self._chunk_data(out, layer, start, kv)
-        self._send(out, transfer_id, [_encode(("chunk", transfer_id, layer, start, kv.shape[2], *extra)), *frames])
+        header = ChunkHeader(transfer_id, layer, start, kv.shape[2], *extra)
+        self._send(out, transfer_id, [_encode(header), *frames])
 
     def send_done(self, transfer_id: str, first_token: int, logprobs: dict[int, float] | None) -> None:
         out = self._out.get(transfer_id)
         if out is not None:
-            self._send(out, transfer_id, [_encode(("done", transfer_id, first_token, logprobs))])
+            self._send(out, transfer_id, [_encode(DoneHeader(transfer_id, first_token, logprobs))])
 
     def _send(self, out: _Out, transfer_id: str, frames: list[bytes | memoryview]) -> None:
         try:
@@ -140,12 +144,14 @@ class _ZmqTransport(KVTransport):
                 except zmq.Again:
                     break
                 try:
-                    kind, transfer_id, ok, error = _decode(frames[0])
-                    assert kind == "ack"
-                except Exception:  # never let a peer's garbage take the engine down
+                    if len(frames) != 1:
+                        raise msgspec.DecodeError(f"an ack is one frame, got {len(frames)}")
+                    ack = self._ack_decoder.decode(frames[0])
+                except msgspec.DecodeError as e:  # a peer's garbage is dropped, never raised into the loop
+                    self.dropped.drop(e)
                     continue
-                if transfer_id in peer.transfers:
-                    acks.append(KVAck(transfer_id, bool(ok), error))
+                if ack.transfer_id in peer.transfers:
+                    acks.append(KVAck(ack.transfer_id, ack.ok, ack.error))
         return acks
 
     def close_send(self, transfer_id: str) -> None:
@@ -162,28 +168,32 @@ class _ZmqTransport(KVTransport):
     def poll_received(self) -> list[KVChunk | KVDone | KVFailed]:
         events: list[KVChunk | KVDone | KVFailed] = []
         for identity, header, payload in self._messages():
-            kind, transfer_id = header[0], header[1]
-            rec = self._accept(identity, transfer_id)
+            if isinstance(header, HelloHeader):
+                self.dropped.drop("a torch.distributed hello sent to a transport without process groups")
+                continue
+            rec = self._accept(identity, header.transfer_id)
             if rec is None:
                 continue
-            if kind == "done":
-                events.append(KVDone(transfer_id, header[2], _int_keys(header[3])))
-            elif kind == "chunk":
-                _, _, layer, start, n, crc = header[:6]
-                events.append(self._chunk_event(rec, transfer_id, layer, start, n, crc, payload))
+            if isinstance(header, DoneHeader):
+                events.append(KVDone(header.transfer_id, header.first_token, header.logprobs))
+            else:
+                events.append(self._chunk_event(rec, header, payload))
         return events
 
-    def _messages(self) -> Iterator[tuple[bytes, list, list[zmq.Frame]]]:
-        """(sender identity, decoded header, data frames) of every message waiting; garbage is skipped."""
+    def _messages(self) -> Iterator[tuple[bytes, ToReceiver, list[zmq.Frame]]]:
+        """(sender identity, decoded header, data frames) of every message waiting. One that does not
+        decode is dropped and counted: a peer's garbage never reaches the engine loop."""
         while True:
             try:
                 frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             try:
-                header = _decode(frames[1].buffer)
-                header[0], header[1]  # noqa: B018 - a header has at least a kind and a transfer id
-            except Exception:  # never let a peer's garbage take the engine down
+                if len(frames) < 2:
+                    raise msgspec.DecodeError("a message needs a header frame")
+                header = self._receiver_decoder.decode(frames[1].buffer)
+            except msgspec.DecodeError as e:
+                self.dropped.drop(e)
                 continue
             yield frames[0].bytes, header, frames[2:]
 
@@ -196,9 +206,10 @@ class _ZmqTransport(KVTransport):
         rec.identity = identity
         return rec
 
-    def _chunk_event(
-        self, rec: _In, transfer_id: str, layer: int, start: int, n: int, crc: int | None, payload: list[zmq.Frame]
-    ) -> KVChunk | KVFailed:
+    def _chunk_event(self, rec: _In, header: ChunkHeader, payload: list[zmq.Frame]) -> KVChunk | KVFailed:
+        transfer_id, layer, start, n, crc = (
+            header.transfer_id, header.layer, header.start, header.num_tokens, header.crc
+        )
         lay = self.layout
         if not (0 <= layer < lay.num_layers and rec.start <= start and start + n <= rec.end and n > 0):
             return KVFailed(transfer_id, f"chunk out of range: layer {layer}, tokens [{start}, {start + n})")
@@ -217,7 +228,8 @@ class _ZmqTransport(KVTransport):
 
     def _reply(self, identity: bytes, transfer_id: str, ok: bool, error: str | None) -> None:
         with contextlib.suppress(zmq.ZMQError):
-            self._router.send_multipart([identity, _encode(("ack", transfer_id, ok, error))], zmq.NOBLOCK)
+            ack = AckHeader(transfer_id, ok, None if error is None else error[:_MAX_ERROR])
+            self._router.send_multipart([identity, _encode(ack)], zmq.NOBLOCK)
 
     def close_receive(self, transfer_id: str) -> None:
         rec = self._in.pop(transfer_id, None)
@@ -250,10 +262,6 @@ class _ZmqTransport(KVTransport):
 
     def _close_receive_data(self, rec: _In) -> None:
         pass
-
-
-def _int_keys(logprobs: dict | None) -> dict[int, float] | None:
-    return None if logprobs is None else {int(k): float(v) for k, v in logprobs.items()}
 
 
 class TcpTransport(_ZmqTransport):
