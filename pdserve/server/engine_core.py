@@ -3,7 +3,10 @@
 Between steps it drains whatever the front has sent (adds, aborts) without waiting when there is work,
 and blocks briefly only when idle. After each step it sends one `EngineOutputs` message: the step's
 per-request deltas and the engine's counters. A request the engine refuses, or that fails in a step,
-comes back as a delta with `finish_reason="error"`; only its own client sees it.
+comes back as a delta with `finish_reason="error"`; only its own client sees it. An exception anywhere
+else in an iteration (the forward is guarded inside the engine) fails the requests the core holds, and the
+loop goes on; only an engine that cannot even abort them ends the process (the front restarts it). An
+idle core sends empty outputs every `HEARTBEAT_INTERVAL_S`, so a frozen loop shows as a stale heartbeat.
 
 The process exits on a `Shutdown` message, on SIGTERM, or when its parent (the front) is gone. SIGINT
 is ignored here: Ctrl-C reaches the whole process group, and the front coordinates the shutdown.
@@ -14,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -47,6 +51,8 @@ logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 100  # how long an idle core waits for input before checking its parent
 _STALLED_POLL_MS = 2  # unfinished requests but nothing schedulable: do not spin at 100% CPU
+# An idle core still sends (empty) outputs this often: the front's /health reads the loop's heartbeat.
+HEARTBEAT_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +126,8 @@ class EngineCore:
         self._dropped = DroppedMessages("engine core's input from the front")
         self._encoder = msgspec.msgpack.Encoder()
         self._pending: list[RequestDelta] = []  # refusals to send with the next message
+        self._live: set[str] = set()  # requests added and not finished yet
+        self._last_sent = 0.0  # monotonic time of the last message to the front (the heartbeat)
         self._stopping = False
         bm = engine.block_manager
         import torch
@@ -142,36 +150,57 @@ class EngineCore:
         self._stopping = True
 
     def run(self) -> None:
-        engine = self.engine
         poll_ms = _IDLE_POLL_MS
         while not self._stopping:
-            changed = self._receive(poll_ms)
-            if self._stopping or os.getppid() != self.parent_pid:
-                break
-            if not engine.has_unfinished_requests():
-                if changed or self._pending:
-                    self._send_outputs([], None)
-                poll_ms = _IDLE_POLL_MS
-                continue
-            last = engine.step_records[-1] if engine.step_records else None
-            outputs = engine.step()
-            record = engine.step_records[-1] if engine.step_records else None
-            ran = record is not None and record is not last
-            model = engine.scheduler.step_model
-            step = (
-                StepStats(
-                    record.duration, record.num_prefill_tokens, record.num_decode_tokens,
-                    model.last_predicted if model is not None else None,
-                )
-                if ran
-                else None
-            )
-            for req_id, skip in engine.take_kv_reservations():  # the front answers the router with these
-                self._pending.append(RequestDelta(req_id, [], "", kv_skip_tokens=skip))
-            if ran or outputs or changed or self._pending:
-                self._send_outputs(outputs, step)
-            poll_ms = 0 if ran or outputs else _STALLED_POLL_MS
+            try:
+                changed = self._receive(poll_ms)
+                if self._stopping or os.getppid() != self.parent_pid:
+                    break
+                poll_ms = self._iterate(changed)
+            except Exception as e:  # noqa: BLE001 - outside the forward (which the engine guards itself)
+                logger.exception("engine loop iteration failed; failing the %d requests in flight", len(self._live))
+                self._fail_live(f"engine error: {e}")  # raises if the engine cannot even do that: restart
+                poll_ms = 0
         logger.info("engine core stopping")
+
+    def _iterate(self, changed: bool) -> int:
+        """One step (if there is work) and its outputs; returns how long the next receive may wait."""
+        engine = self.engine
+        if not engine.has_unfinished_requests():
+            if changed or self._pending or self._heartbeat_due():
+                self._send_outputs([], None)
+            return _IDLE_POLL_MS
+        last = engine.step_records[-1] if engine.step_records else None
+        outputs = engine.step()
+        record = engine.step_records[-1] if engine.step_records else None
+        ran = record is not None and record is not last
+        model = engine.scheduler.step_model
+        step = (
+            StepStats(
+                record.duration, record.num_prefill_tokens, record.num_decode_tokens,
+                model.last_predicted if model is not None else None,
+            )
+            if ran
+            else None
+        )
+        for req_id, skip in engine.take_kv_reservations():  # the front answers the router with these
+            self._pending.append(RequestDelta(req_id, [], "", kv_skip_tokens=skip))
+        if ran or outputs or changed or self._pending or self._heartbeat_due():
+            self._send_outputs(outputs, step)
+        return 0 if ran or outputs else _STALLED_POLL_MS
+
+    def _heartbeat_due(self) -> bool:
+        return time.monotonic() - self._last_sent >= HEARTBEAT_INTERVAL_S
+
+    def _fail_live(self, message: str) -> None:
+        """Finish every request this core holds with an error (their blocks are freed) and tell the front.
+        Used when something outside the forward failed and which requests it concerns is unknown."""
+        failed = sorted(self._live)
+        for req_id in failed:
+            self.engine.abort_request(req_id)
+        self._live.clear()
+        self._pending.extend(RequestDelta(r, [], "", "error", error=message) for r in failed)
+        self._send_outputs([], None)
 
     def close(self) -> None:
         self.engine.close()
@@ -205,6 +234,7 @@ class EngineCore:
                 self.engine.add_request(
                     msg.prompt_token_ids, msg.params, msg.req_id, msg.arrival_time, _kv_spec(msg.kv_transfer)
                 )
+                self._live.add(msg.req_id)
             except InvalidRequestError as e:
                 self._pending.append(RequestDelta(msg.req_id, [], "", "error", error=str(e), invalid=True))
             except SLORejectedError as e:
@@ -214,6 +244,7 @@ class EngineCore:
                 self._pending.append(RequestDelta(msg.req_id, [], "", "error", error=f"engine error: {e}"))
         elif isinstance(msg, AbortRequests):
             for req_id in msg.req_ids:
+                self._live.discard(req_id)
                 self.engine.abort_request(req_id)
         elif isinstance(msg, Shutdown):
             self._stopping = True
@@ -248,9 +279,13 @@ class EngineCore:
             for r in (engine.connector.take_records() if engine.connector is not None else [])
         ]
         self._send(EngineOutputs(deltas, stats, step, transfers))
+        for d in deltas:  # only once sent: a request whose last delta was lost is failed by the loop
+            if d.finish_reason is not None:
+                self._live.discard(d.req_id)
 
     def _send(self, msg: Ready | EngineOutputs) -> None:
         self._output.send(self._encoder.encode(msg), copy=False)
+        self._last_sent = time.monotonic()
 
 
 def engine_stats(engine: LLMEngine, num_dropped_front_messages: int = 0) -> EngineStats:

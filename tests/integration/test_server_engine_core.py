@@ -66,6 +66,8 @@ def core(tiny_weights):
             return decoder.decode(pull.recv())
 
     front = Front()
+    front.engine = engine  # type: ignore[attr-defined]
+    front.push = push  # type: ignore[attr-defined]
     assert isinstance(front.recv(), Ready)
     try:
         yield front
@@ -124,3 +126,54 @@ def test_abort_frees_blocks_before_the_next_step(core):
         if msg.stats.kv_cache_usage == 0.0 and msg.stats.num_running == 0:
             break
     assert msg.stats.kv_cache_usage == 0.0 and msg.stats.num_running == 0
+
+
+class StepFailsOnce:
+    """Wraps `engine.step`: the next call raises outside the forward (as a bug in the scheduler would)."""
+
+    def __init__(self, step) -> None:  # type: ignore[no-untyped-def]
+        self.step = step
+        self.armed = False
+
+    def __call__(self):  # type: ignore[no-untyped-def]
+        if self.armed:
+            self.armed = False
+            raise KeyError("injected failure outside the forward")
+        return self.step()
+
+
+def _until_finished(core, req_id: str, timeout: float = 20.0) -> tuple[object, EngineOutputs]:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        msg = core.recv()
+        for d in msg.deltas:
+            if d.req_id == req_id and d.finish_reason is not None:
+                return d, msg
+    raise AssertionError(f"{req_id} did not finish")
+
+
+def test_an_exception_outside_the_forward_fails_its_requests_and_the_loop_goes_on(core):
+    flaky = core.engine.step = StepFailsOnce(core.engine.step)
+    _add(core, "victim", [1, 2, 3, 4, 5], 200)
+    while not core.recv().stats.num_running:
+        pass
+    flaky.armed = True
+    d, msg = _until_finished(core, "victim")
+    assert d.finish_reason == "error" and "injected failure" in d.error and not d.invalid
+    assert msg.stats.kv_cache_usage == 0.0 and msg.stats.num_running == 0  # its blocks are freed
+    _add(core, "after", [1, 2, 3], 5)
+    d, _ = _until_finished(core, "after")
+    assert d.finish_reason == "length" and not d.error
+
+
+def test_undecodable_front_messages_are_dropped_and_counted(core):
+    for raw in (b"\xc1", msgspec.msgpack.encode(["add", "x", "not a list"]), msgspec.msgpack.encode(["nope"])):
+        core.push.send(raw)
+    _add(core, "ok", [1, 2, 3], 3)
+    d, msg = _until_finished(core, "ok")
+    assert d.finish_reason == "length" and msg.stats.num_dropped_front_messages == 3
+
+
+def test_an_idle_core_sends_a_heartbeat(core):
+    msg = core.recv(timeout_s=5.0)  # nothing was sent to it
+    assert isinstance(msg, EngineOutputs) and msg.deltas == []
