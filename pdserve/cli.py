@@ -246,6 +246,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         access_log=args.access_log,
         log_level="INFO" if args.log_level.upper() == "WARNING" else args.log_level.upper(),
         random_model=random_model,
+        restart_engine=not args.no_engine_restart,
+        heartbeat_timeout_s=args.heartbeat_timeout,
     )
     serve(config)
     return 0
@@ -306,6 +308,10 @@ def main(argv: list[str] | None = None) -> int:
         "--stats-interval", type=float, default=10.0, help="seconds between stats log lines (0: off)"
     )
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument("--no-engine-restart", action="store_true",
+                   help="do not restart the engine core process when it dies (the server stays unhealthy)")
+    p.add_argument("--heartbeat-timeout", type=float, default=30.0,
+                   help="seconds without a word from the engine loop before /health reports it stale")
     # Tests: serve a random model (JSON of ModelConfig fields plus "seed" and "std") with --model's tokenizer.
     p.add_argument("--random-weights", default=None, help=argparse.SUPPRESS)
     add_engine_args(p)

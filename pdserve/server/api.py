@@ -325,9 +325,23 @@ def build_app(config: ServerConfig) -> FastAPI:
     async def health() -> Response:
         client = server.client
         if not client.is_alive:
-            return _json_response(
-                {"status": "unhealthy", "error": client.dead_reason or "shutting down"}, 503
+            body: dict[str, Any] = {"status": "unhealthy", "error": client.dead_reason or "shutting down"}
+            if client.dead_reason is not None and config.restart_engine:
+                restart_in = client.restart_in
+                body.update(
+                    status="restarting",
+                    num_engine_restarts=client.num_restarts,
+                    restart_delay_s=client.restart_delay,
+                )
+                if restart_in is not None:  # else: the new core is loading
+                    body["restart_in_s"] = round(restart_in, 3)
+            return _json_response(body, 503)
+        if client.is_stale:
+            error = (
+                f"the engine loop has not been heard from for {client.heartbeat_age:.1f} s "
+                f"(limit {config.heartbeat_timeout_s:g} s): it is frozen or in a very long step"
             )
+            return _json_response({"status": "unhealthy", "error": error}, 503)
         s = client.stats
         return _json_response(
             {
@@ -336,6 +350,8 @@ def build_app(config: ServerConfig) -> FastAPI:
                 "num_requests_running": s.num_running,
                 "num_requests_waiting": s.num_waiting,
                 "kv_cache_usage": s.kv_cache_usage,
+                "heartbeat_age_s": round(client.heartbeat_age, 3),
+                "num_engine_restarts": client.num_restarts,
             }
         )
 

@@ -40,6 +40,14 @@ class ServerConfig:
     access_log: bool = False
     log_level: str = "info"  # of the engine core process's own log lines
     random_model: RandomModelSpec | None = None
+    # Supervision of the engine core process: restart it when it dies, after restart_backoff_s doubled for
+    # every other death within restart_window_s (at most restart_backoff_max_s); /health is unhealthy
+    # while the core's loop has not been heard from for heartbeat_timeout_s.
+    restart_engine: bool = True
+    restart_backoff_s: float = 0.5
+    restart_backoff_max_s: float = 30.0
+    restart_window_s: float = 60.0
+    heartbeat_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -48,3 +56,6 @@ class ServerConfig:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
         if self.stats_interval_s < 0:
             raise ValueError("stats_interval_s must be >= 0")
+        for name in ("restart_backoff_s", "restart_backoff_max_s", "restart_window_s", "heartbeat_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

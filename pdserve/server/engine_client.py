@@ -7,7 +7,10 @@ task receives the core's messages. A handler passes an `asyncio.Queue` with each
 (n > 1, or several prompts) can share a queue, told apart by `index`.
 
 The core process dying is noticed through its sentinel file descriptor the moment it happens: every
-request in flight gets an error delta and new requests are refused with `EngineDeadError`.
+request in flight gets an error delta and new requests are refused with `EngineDeadError` until a new
+core is ready. The client restarts it (`restart_engine`), waiting longer after each death that follows
+soon after the last one, so a core that crashes at once does not spin. Every message from the core
+(an idle one sends one every second) refreshes its heartbeat.
 """
 
 from __future__ import annotations
@@ -84,6 +87,14 @@ class EngineClient:
         self._pull: zmq.asyncio.Socket | None = None
         self._output_task: asyncio.Task | None = None
         self._closing = False
+        self._tokenizer: object | None = None
+        self._addresses: CoreAddresses | None = None
+        self.last_heard = time.monotonic()
+        self.num_restarts = 0  # successful restarts of a core that died
+        self._crashes: list[float] = []  # when recent cores died (for the backoff)
+        self._restart_at: float | None = None
+        self.restart_delay = 0.0  # the backoff of the latest restart
+        self._restart_task: asyncio.Task | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CoreMessage)
         self._dropped = DroppedMessages("front's input from the engine core")
@@ -92,20 +103,43 @@ class EngineClient:
     async def start(self, tokenizer: object | None = None) -> Ready:
         """Spawn the core, wait until its engine is built. Raises EngineDeadError if it dies first.
         `tokenizer` is handed to a core that serves a random model (see `RandomModelSpec`)."""
+        self._tokenizer = tokenizer
+        self._open_channels()
+        return await self._spawn()
+
+    def _open_channels(self) -> None:
+        """Fresh sockets (and socket files) for one core process: nothing a dead one left queued
+        reaches its successor."""
         self._tmpdir = tempfile.mkdtemp(prefix="pdserve-")
-        addresses = CoreAddresses(f"ipc://{self._tmpdir}/input", f"ipc://{self._tmpdir}/output")
+        self._addresses = CoreAddresses(f"ipc://{self._tmpdir}/input", f"ipc://{self._tmpdir}/output")
         self._ctx = zmq.Context()
         self._push = self._ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.LINGER, 0)
-        self._push.bind(addresses.input)
+        self._push.bind(self._addresses.input)
         self._actx = zmq.asyncio.Context()
         self._pull = self._actx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
-        self._pull.bind(addresses.output)
+        self._pull.bind(self._addresses.output)
+
+    def _close_channels(self) -> None:
+        for sock in (self._push, self._pull):
+            if sock is not None:
+                sock.close(linger=0)
+        for ctx in (self._ctx, self._actx):
+            if ctx is not None:
+                ctx.term()
+        self._push = self._pull = self._ctx = self._actx = None
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+    async def _spawn(self) -> Ready:
+        assert self._pull is not None and self._addresses is not None
+        self.ready = None
         mp = multiprocessing.get_context("spawn")
         self._proc = mp.Process(
             target=run_engine_core,
-            args=(self.config, addresses, os.getpid(), tokenizer),
+            args=(self.config, self._addresses, os.getpid(), self._tokenizer),
             name="pdserve-engine-core",
             daemon=True,
         )
@@ -124,9 +158,15 @@ class EngineClient:
                     f"the engine core did not start within {self.config.startup_timeout_s:.0f} s"
                 )
             if await self._pull.poll(200):
-                msg = self._decoder.decode(await self._pull.recv())
+                try:
+                    msg = self._decoder.decode(await self._pull.recv())
+                except msgspec.DecodeError as e:
+                    self._dropped.drop(e)
+                    self.metrics.dropped["core_to_front"].inc()
+                    continue
                 if isinstance(msg, Ready):
                     self.ready = msg
+        self.last_heard = time.monotonic()
         asyncio.get_running_loop().add_reader(self._proc.sentinel, self._on_core_exit)
         self._output_task = asyncio.create_task(self._output_loop(), name="pdserve-engine-outputs")
         logger.info(
@@ -163,22 +203,34 @@ class EngineClient:
             proc.join(0)
             logger.info("engine core process exited with code %s", proc.exitcode)
         self._fail_all("the server is shutting down")
-        if self._output_task is not None:
-            self._output_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._output_task
-        for sock in (self._push, self._pull):
-            if sock is not None:
-                sock.close(linger=0)
-        for ctx in (self._ctx, self._actx):
-            if ctx is not None:
-                ctx.term()
-        if self._tmpdir is not None:
-            shutil.rmtree(self._tmpdir, ignore_errors=True)
+        for task in (self._output_task, self._restart_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._close_channels()
 
     @property
     def is_alive(self) -> bool:
         return self.dead_reason is None and self.ready is not None and not self._closing
+
+    @property
+    def heartbeat_age(self) -> float:
+        """Seconds since the core last said anything (an idle one speaks every second)."""
+        return time.monotonic() - self.last_heard
+
+    @property
+    def is_stale(self) -> bool:
+        """The core is running but its loop has not been heard from for too long (frozen, or one step
+        that takes longer than `heartbeat_timeout_s`)."""
+        return self.is_alive and self.heartbeat_age > self.config.heartbeat_timeout_s
+
+    @property
+    def restart_in(self) -> float | None:
+        """Seconds until the next restart attempt of a dead core; None unless one is scheduled."""
+        if self._restart_at is None:
+            return None
+        return max(0.0, self._restart_at - time.monotonic())
 
     @property
     def num_in_flight(self) -> int:
@@ -253,6 +305,7 @@ class EngineClient:
         assert self._pull is not None
         while True:
             frame = await self._pull.recv(copy=False)
+            self.last_heard = time.monotonic()
             try:
                 msg = self._decoder.decode(frame.buffer)
             except msgspec.DecodeError as e:
@@ -309,6 +362,42 @@ class EngineClient:
         self.dead_reason = f"the engine core process died (exit code {self._proc.exitcode})"
         logger.error("%s; failing %d requests in flight", self.dead_reason, len(self._requests))
         self._fail_all(self.dead_reason)
+        if self._output_task is not None:
+            self._output_task.cancel()
+            self._output_task = None
+        if self.config.restart_engine:
+            self._restart_task = asyncio.create_task(self._restart(), name="pdserve-engine-restart")
+
+    def _backoff(self) -> float:
+        """Seconds to wait before restarting: doubling with every death in the last `crash_window`."""
+        c = self.config
+        now = time.monotonic()
+        self._crashes = [t for t in self._crashes if now - t < c.restart_window_s] + [now]
+        return min(c.restart_backoff_max_s, c.restart_backoff_s * 2 ** (len(self._crashes) - 1))
+
+    async def _restart(self) -> None:
+        """Start a new core process until one is ready (in-flight requests were already failed; new ones
+        get 503 meanwhile)."""
+        while not self._closing:
+            delay = self.restart_delay = self._backoff()
+            self._restart_at = time.monotonic() + delay
+            logger.warning("restarting the engine core in %.1f s", delay)
+            await asyncio.sleep(delay)
+            self._restart_at = None
+            self._close_channels()
+            self._open_channels()
+            try:
+                await self._spawn()
+            except EngineDeadError as e:
+                self.dead_reason = f"the engine core process died and its restart failed: {e}"
+                logger.error("%s", self.dead_reason)
+                continue
+            self.metrics.engine = EngineStats(0, 0, 0.0, 0, 0, 0)  # the new core counts from zero
+            self.num_restarts += 1
+            self.metrics.engine_restarts.inc()
+            self.dead_reason = None
+            logger.info("engine core restarted (%d restarts so far)", self.num_restarts)
+            return
 
     def _fail_all(self, message: str) -> None:
         for req_id in list(self._requests):

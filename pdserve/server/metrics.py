@@ -151,6 +151,9 @@ class ServerMetrics:
         self.prefix_queried_tokens = counter(
             "pdserve:prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache."
         )
+        self.engine_restarts = counter(
+            "pdserve:engine_restarts", "Engine core processes restarted after the previous one died."
+        )
         self.aborted = counter("pdserve:request_aborted", "Requests aborted (client gone or cancelled).")
         self.rejected = counter(
             "pdserve:request_rejected", "Requests refused with 503 (overload, engine down)."

@@ -1,5 +1,5 @@
-"""The server when things go wrong: overload, and the engine core process dying (the module's last test:
-it ends its server). Shutdown by SIGINT is the last test of test_server.py."""
+"""The server when things go wrong: overload, and the engine core process dying (the front restarts it,
+backing off when it dies again soon). Shutdown by SIGINT is the last test of test_server.py."""
 
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ from tests.integration.test_server import MODEL, quiet_env, scrape, tiny_server_
 @pytest.fixture(scope="module")
 def server():
     """One server for the module; the last test kills its engine core."""
-    srv = ServerProcess(tiny_server_args("--max-waiting", "1", "--stats-interval", "0"), env=quiet_env())
+    srv = ServerProcess(
+        tiny_server_args("--max-waiting", "1", "--stats-interval", "0", "--heartbeat-timeout", "2"), env=quiet_env()
+    )
     srv.start()
     try:
         yield srv.wait_ready()
@@ -58,6 +60,18 @@ def test_overload_is_503_then_serves_again(server):
     assert health and health["status"] == "ok"
 
 
+def test_a_frozen_engine_loop_is_unhealthy(server):
+    (engine_pid,) = server.engine_pids()
+    assert httpx.get(server.url + "/health").status_code == 200
+    os.kill(engine_pid, signal.SIGSTOP)
+    try:
+        stale = wait_for(lambda: (r := httpx.get(server.url + "/health")).status_code == 503 and r, timeout=15)
+        assert stale and "not been heard from" in stale.json()["error"]
+    finally:
+        os.kill(engine_pid, signal.SIGCONT)
+    assert wait_for(lambda: httpx.get(server.url + "/health").status_code == 200, timeout=10)
+
+
 def test_engine_death_fails_requests_and_health(server):
     srv = server
     (engine_pid,) = srv.engine_pids()
@@ -84,9 +98,25 @@ def test_engine_death_fails_requests_and_health(server):
     assert whole["r"].status_code == 503 and "died" in whole["r"].json()["error"]["message"]
 
     health = httpx.get(srv.url + "/health", timeout=5)
-    assert health.status_code == 503 and health.json()["status"] == "unhealthy"
+    assert health.status_code == 503 and health.json()["status"] == "restarting"
     started = time.monotonic()
     refused = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=5)
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_unavailable"
     assert time.monotonic() - started < 2
+
+    # A new core comes up and serves; the old one's requests are not resurrected.
+    assert wait_for(lambda: httpx.get(srv.url + "/health").status_code == 200, timeout=60)
+    h = httpx.get(srv.url + "/health").json()
+    assert h["num_engine_restarts"] == 1 and h["num_requests_in_flight"] == 0
+    (new_pid,) = srv.engine_pids()
+    assert new_pid != engine_pid
+    ok = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3}, timeout=30)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    assert scrape(srv.url)["pdserve:engine_restarts_total"] == 1
+
+    # Dying again soon after: the next restart waits longer (0.5 s, then 1 s, ...).
+    os.kill(new_pid, signal.SIGKILL)
+    assert wait_for(lambda: "restart_in_s" in httpx.get(srv.url + "/health").json(), timeout=5)
+    assert httpx.get(srv.url + "/health").json()["restart_delay_s"] == 1.0
+    assert wait_for(lambda: httpx.get(srv.url + "/health").status_code == 200, timeout=60)
     assert srv.stop(signal.SIGTERM, timeout=20) == 0  # the front still shuts down cleanly
