@@ -248,9 +248,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
         random_model=random_model,
         restart_engine=not args.no_engine_restart,
         heartbeat_timeout_s=args.heartbeat_timeout,
+        max_body_bytes=args.max_body_bytes,
+        request_timeout_s=args.request_timeout,
+        allowed_hosts=_hosts(args.allowed_hosts),
+        max_connections=args.max_connections,
     )
     serve(config)
     return 0
+
+
+def _hosts(value: str | None) -> tuple[str, ...] | None:
+    return None if value is None else tuple(h.strip().lower() for h in value.split(",") if h.strip())
+
+
+def add_http_limit_args(p: argparse.ArgumentParser) -> None:
+    """Bounds on what one HTTP client may cost (server and router)."""
+    p.add_argument("--max-body-bytes", type=int, default=4 * 2**20,
+                   help="largest request body accepted (HTTP 413 beyond)")
+    p.add_argument("--allowed-hosts", default=None, metavar="HOST[,HOST...]",
+                   help="serve only requests whose Host header names one of these (default: any)")
+    p.add_argument("--max-connections", type=int, default=2048,
+                   help="concurrent connections and requests served (HTTP 503 beyond)")
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -312,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="do not restart the engine core process when it dies (the server stays unhealthy)")
     p.add_argument("--heartbeat-timeout", type=float, default=30.0,
                    help="seconds without a word from the engine loop before /health reports it stale")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="abort a generation request that has not finished after this many seconds (HTTP 504)")
+    add_http_limit_args(p)
     # Tests: serve a random model (JSON of ModelConfig fields plus "seed" and "std") with --model's tokenizer.
     p.add_argument("--random-weights", default=None, help=argparse.SUPPRESS)
     add_engine_args(p)

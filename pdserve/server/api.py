@@ -37,6 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.server.config import KEEP_ALIVE_S, ServerConfig
 from pdserve.server.engine_client import EngineClient, EngineDeadError, OverloadedError
+from pdserve.server.guards import check_json_content_type, read_body
 from pdserve.server.messages import KVTransferParams, Ready, RequestDelta
 from pdserve.server.metrics import ServerMetrics, StatsLogger
 from pdserve.server.protocol import (
@@ -49,6 +50,7 @@ from pdserve.server.protocol import (
     bad_request,
     chat_message_dicts,
     check_unsupported,
+    choice_seed,
     decode_body,
     num_choices,
     sampling_params,
@@ -57,6 +59,10 @@ from pdserve.server.protocol import (
 from pdserve.server.streaming import WatchedStream, wait_disconnect
 
 logger = logging.getLogger(__name__)
+
+# A token is rarely more than a few characters: a text this many times longer than the context cannot
+# fit, and is refused before it is tokenized.
+_MAX_CHARS_PER_TOKEN = 32
 
 _json = msgspec.json.Encoder()
 _DONE = b"data: [DONE]\n\n"
@@ -89,6 +95,14 @@ class _Job:
     logprobs: int | None
     req_ids: list[str] = field(default_factory=list)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    deadline: float | None = None  # monotonic; past it the request is aborted (--request-timeout)
+
+    def time_left(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    async def next_delta(self) -> tuple[int, RequestDelta]:
+        """The next delta; asyncio.TimeoutError once the deadline has passed."""
+        return await asyncio.wait_for(self.queue.get(), self.time_left())
 
     @property
     def num_choices(self) -> int:
@@ -180,6 +194,48 @@ class Server:
             )
         return max_tokens
 
+    async def body(self, request: Request) -> bytes:
+        """The POST body: declared JSON, bounded, arrived in time."""
+        check_json_content_type(request)
+        c = self.config
+        return await read_body(request, c.max_body_bytes, c.body_timeout_s)
+
+    def check_text_length(self, texts: list[str], param: str) -> None:
+        """A cheap bound before tokenizing: text far longer than the context cannot fit in it."""
+        assert self.ready is not None
+        limit = min(self.ready.max_model_len, self.ready.num_kv_tokens)
+        num_chars = sum(len(t) for t in texts)
+        if num_chars > limit * _MAX_CHARS_PER_TOKEN:
+            raise bad_request(
+                f"the {param} has {num_chars} characters, far more than this model's {limit}-token context "
+                "can hold. Please shorten it.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    async def tokenize_prompts(self, prompt: str | list[Any]) -> list[list[int]]:
+        """`completion_prompts` in a worker thread (a long prompt must not stall the event loop)."""
+        if isinstance(prompt, str):
+            self.check_text_length([prompt], "prompt")
+        elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+            self.check_text_length(prompt, "prompt")
+        elif isinstance(prompt, list) and len(prompt) > 4096:
+            raise bad_request("prompt must not hold more than 4096 prompts", param="prompt")
+        return await asyncio.to_thread(self.completion_prompts, prompt)
+
+    async def tokenize_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+        """Template and tokenize the messages in a worker thread, after a cheap length check."""
+        self.check_text_length([m["content"] for m in messages], "messages")
+
+        def run() -> list[int]:
+            try:
+                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            except (ValueError, TypeError) as e:  # InvalidRequestError: no template, or it refused them
+                raise bad_request(str(e), param="messages") from None
+            return self.tokenizer.encode(text)
+
+        return await asyncio.to_thread(run)
+
     def completion_prompts(self, prompt: str | list[Any]) -> list[list[int]]:
         tok = self.tokenizer
         if isinstance(prompt, str):
@@ -234,25 +290,45 @@ class Server:
                 f"server ever queues at once ({self.config.max_waiting}, set by --max-waiting)",
                 param="n",
             )
+        # Every choice's parameters first, then the sends: a submission is all or nothing.
+        choices = []
+        for p_idx, ids in enumerate(job.prompts):
+            for i in range(job.n):
+                p = params[p_idx]
+                if p.seed is not None and i:  # choices of one prompt must differ
+                    p = replace(p, seed=choice_seed(p.seed, i))
+                choices.append((f"{job.http_id}-{p_idx * job.n + i}", ids, p))
         try:
             self.client.check_capacity(job.num_choices)
-            for p_idx, ids in enumerate(job.prompts):
-                for i in range(job.n):
-                    index = p_idx * job.n + i
-                    p = params[p_idx]
-                    if p.seed is not None and i:  # choices of one prompt must differ
-                        p = replace(p, seed=p.seed + i)
-                    req_id = f"{job.http_id}-{index}"
-                    self.client.add_request(req_id, ids, p, job.queue, index, kv_transfer)
-                    job.req_ids.append(req_id)
-        except (OverloadedError, EngineDeadError) as e:
-            self.client.abort(job.req_ids)
+            for index, (req_id, ids, p) in enumerate(choices):
+                self.client.add_request(req_id, ids, p, job.queue, index, kv_transfer)
+                job.req_ids.append(req_id)
+        except BaseException as e:
+            self.client.abort(job.req_ids)  # the choices already sent: none of them may run unseen
+            if not isinstance(e, (OverloadedError, EngineDeadError)):
+                raise
             self.metrics.rejected.inc()
             if isinstance(e, OverloadedError):
                 raise APIError(503, str(e), "server_error", None, "overloaded") from None
             raise APIError(
                 503, f"the engine is not available: {e}", "server_error", None, "engine_unavailable"
             ) from None
+
+    def timed_out(self) -> APIError:
+        return APIError(
+            504,
+            f"the request did not finish within the server's limit of {self.config.request_timeout_s:g} s",
+            "server_error",
+            None,
+            "request_timeout",
+        )
+
+    def new_job(self, prefix: str, prompts: list[list[int]], n: int, stream: bool, usage: bool,
+                logprobs: int | None) -> _Job:
+        timeout = self.config.request_timeout_s
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return _Job(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), prompts, n, stream, usage, logprobs,
+                    deadline=deadline)
 
     def error_of(self, d: RequestDelta) -> APIError:
         if d.invalid:
@@ -288,7 +364,7 @@ async def _collect(job: _Job, request: Request, server: Server, on_delta: Any) -
     drainer = asyncio.ensure_future(drain())
     watcher = asyncio.ensure_future(wait_disconnect(request))
     try:
-        await asyncio.wait({drainer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({drainer, watcher}, timeout=job.time_left(), return_when=asyncio.FIRST_COMPLETED)
     finally:
         for task in (drainer, watcher):
             task.cancel()
@@ -296,6 +372,8 @@ async def _collect(job: _Job, request: Request, server: Server, on_delta: Any) -
     if drainer.done() and not drainer.cancelled():
         drainer.result()  # raises the APIError of a failed request
         return True
+    if not watcher.done():
+        raise server.timed_out()
     return False
 
 
@@ -320,6 +398,10 @@ def build_app(config: ServerConfig) -> FastAPI:
     app.state.server = server
 
     add_error_handlers(app, "server")
+    if config.allowed_hosts is not None:
+        from starlette.middleware.trustedhost import TrustedHostMiddleware
+
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(config.allowed_hosts))
 
     @app.get("/health")
     async def health() -> Response:
@@ -385,27 +467,26 @@ def build_app(config: ServerConfig) -> FastAPI:
             "object": "model",
             "created": server.started,
             "owned_by": "pdserve",
-            "root": server.model_path,
+            "root": server.model_name,  # never the absolute path of the model on this host
             "max_model_len": server.ready.max_model_len,
         }
         return _json_response({"object": "list", "data": [card]})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req: CompletionRequest = decode_body(await request.body(), CompletionRequest)
+        req: CompletionRequest = decode_body(await server.body(request), CompletionRequest)
         server.check_model(req.model)
         check_unsupported(req)
         n = num_choices(req)
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
             raise bad_request(f"logprobs must be an integer in [0, {MAX_LOGPROBS}]", param="logprobs")
-        prompts = server.completion_prompts(req.prompt)
+        prompts = await server.tokenize_prompts(req.prompt)
         wanted = 16 if req.max_tokens is None else req.max_tokens
         params = [
             sampling_params(req, server.check_prompt(ids, wanted, "prompt"), req.logprobs) for ids in prompts
         ]
-        job = _Job(
-            f"cmpl-{uuid.uuid4().hex}",
-            int(time.time()),
+        job = server.new_job(
+            "cmpl",
             prompts,
             n,
             bool(req.stream),
@@ -422,7 +503,7 @@ def build_app(config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req: ChatCompletionRequest = decode_body(await request.body(), ChatCompletionRequest)
+        req: ChatCompletionRequest = decode_body(await server.body(request), ChatCompletionRequest)
         server.check_model(req.model)
         check_unsupported(req)
         n = num_choices(req)
@@ -436,16 +517,11 @@ def build_app(config: ServerConfig) -> FastAPI:
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         messages = chat_message_dicts(req.messages)
         add_generation_prompt = True if req.add_generation_prompt is None else req.add_generation_prompt
-        try:
-            text = server.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-        except (ValueError, TypeError) as e:  # InvalidRequestError: no template, or it refused the messages
-            raise bad_request(str(e), param="messages") from None
-        ids = server.tokenizer.encode(text)
+        ids = await server.tokenize_chat(messages, add_generation_prompt)
         wanted = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = [sampling_params(req, server.check_prompt(ids, wanted, "messages"), num_logprobs)]
-        job = _Job(
-            f"chatcmpl-{uuid.uuid4().hex}",
-            int(time.time()),
+        job = server.new_job(
+            "chatcmpl",
             [ids],
             n,
             bool(req.stream),
@@ -574,13 +650,15 @@ async def _after_reservation(
     got = asyncio.ensure_future(job.queue.get())
     gone = asyncio.ensure_future(wait_disconnect(request))
     try:
-        await asyncio.wait({got, gone}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({got, gone}, timeout=job.time_left(), return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
         if not got.done():
             got.cancel()
             server.client.abort(job.req_ids)
     if not got.done() or got.cancelled():
+        if not gone.done():
+            raise server.timed_out()
         return Response(status_code=499)  # the router went away before the blocks were reserved
     _, d = got.result()
     if d.finish_reason == "error":
@@ -611,7 +689,11 @@ async def _json_when_done(server: Server, job: _Job, chat: bool) -> AsyncIterato
     remaining = job.num_choices
     try:
         while remaining:
-            index, d = await job.queue.get()
+            try:
+                index, d = await job.next_delta()
+            except asyncio.TimeoutError:
+                yield _json.encode(server.timed_out().body())
+                return
             if d.finish_reason == "error":
                 yield _json.encode(server.error_of(d).body())
                 return
@@ -632,7 +714,11 @@ async def _stream(server: Server, job: _Job, chat: bool) -> AsyncIterator[bytes]
     remaining = job.num_choices
     try:
         while remaining:
-            index, d = await job.queue.get()
+            try:
+                index, d = await job.next_delta()
+            except asyncio.TimeoutError:
+                yield _sse(server.timed_out().body())
+                break
             if d.finish_reason == "error":
                 yield _sse(server.error_of(d).body())
                 break
@@ -680,6 +766,8 @@ def serve(config: ServerConfig) -> None:
         # 5 s default, a client reusing a connection the server is closing gets "connection reset"
         # (measured: 1 of 200 requests from vLLM's benchmark client at 1 req/s).
         timeout_keep_alive=KEEP_ALIVE_S,
+        limit_concurrency=config.max_connections,  # beyond it: 503 at once, not a growing backlog
+        h11_max_incomplete_event_size=64 * 1024,  # request line and headers
         lifespan="on",
     )
     try:

@@ -48,6 +48,14 @@ class ServerConfig:
     restart_backoff_max_s: float = 30.0
     restart_window_s: float = 60.0
     heartbeat_timeout_s: float = 30.0
+    # Bounds on what one client may cost: body size (413 beyond), the time its body may take to arrive
+    # (408), an optional limit on a whole generation request (504 / an error event; None: no limit), the
+    # Host names served (None: any), and concurrent connections (503 beyond).
+    max_body_bytes: int = 4 * 2**20
+    body_timeout_s: float = 30.0
+    request_timeout_s: float | None = None
+    allowed_hosts: tuple[str, ...] | None = None
+    max_connections: int = 2048
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -59,3 +67,9 @@ class ServerConfig:
         for name in ("restart_backoff_s", "restart_backoff_max_s", "restart_window_s", "heartbeat_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if not self.body_timeout_s > 0 or (self.request_timeout_s is not None and not self.request_timeout_s > 0):
+            raise ValueError("body_timeout_s and request_timeout_s must be > 0")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")

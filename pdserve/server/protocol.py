@@ -11,7 +11,7 @@ clients send fields this server has no use for. `ignore_eos`, `top_k`, `min_p`, 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -20,6 +20,18 @@ from pdserve.request import SamplingParams
 
 MAX_N = 128
 MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16  # each one is matched against the text after every token
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 256  # each one is compared with every sampled token, inside the shared step
+# Integers a request may carry: what the engine's int64 tensors and msgpack hold. A seed is any int64
+# (choices of one prompt use seed, seed + 1, ... wrapping around within int64).
+Int32 = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+StopStrings = str | Annotated[
+    list[Annotated[str, msgspec.Meta(max_length=MAX_STOP_STRING_CHARS)]], msgspec.Meta(max_length=MAX_STOP_STRINGS)
+]
+StopTokenIds = Annotated[list[TokenId], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)]
 
 
 class APIError(Exception):
@@ -55,22 +67,22 @@ class StreamOptions(msgspec.Struct, kw_only=True):
 
 class _GenerationRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
-    n: int | None = None
+    n: Int32 | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: StopStrings | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int32 | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: StopTokenIds | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     # Disaggregation (set by `pdserve router`, see docs/disaggregation.md):
@@ -81,10 +93,10 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
 
 class CompletionRequest(_GenerationRequest, kw_only=True):
     prompt: str | list[Any]
-    max_tokens: int | None = None  # OpenAI's default for completions is 16
-    logprobs: int | None = None
+    max_tokens: Int32 | None = None  # OpenAI's default for completions is 16
+    logprobs: Int32 | None = None
     echo: bool | None = None
-    best_of: int | None = None
+    best_of: Int32 | None = None
     suffix: str | None = None
 
 
@@ -101,10 +113,10 @@ class ChatMessage(msgspec.Struct, kw_only=True):
 
 class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     messages: list[ChatMessage]
-    max_tokens: int | None = None  # None: whatever the context leaves
-    max_completion_tokens: int | None = None
+    max_tokens: Int32 | None = None  # None: whatever the context leaves
+    max_completion_tokens: Int32 | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Int32 | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
@@ -126,6 +138,13 @@ def decode_body(body: bytes, type_: type[msgspec.Struct]) -> Any:
         raise bad_request(f"invalid request: {e}", param=m.group(1) if m else None) from None
     except msgspec.DecodeError as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:  # msgspec's own depth limit: deeply nested arrays or objects
+        raise bad_request("the request body is nested too deeply") from None
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a prompt: seed + index, wrapped around within int64."""
+    return (seed + index + 2**63) % 2**64 - 2**63
 
 
 def check_unsupported(req: _GenerationRequest) -> None:

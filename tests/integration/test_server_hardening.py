@@ -4,6 +4,9 @@ it also serves ordinary requests."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import time
 
 import httpx
@@ -18,7 +21,11 @@ from tests.integration.test_server import MODEL, quiet_env, scrape, tiny_server_
 @pytest.fixture(scope="module")
 def server():
     srv = ServerProcess(
-        tiny_server_args("--role", "decode", "--kv-transfer", "tcp", "--stats-interval", "0"), env=quiet_env()
+        tiny_server_args(
+            "--role", "decode", "--kv-transfer", "tcp", "--stats-interval", "0", "--request-timeout", "3",
+            "--allowed-hosts", "127.0.0.1,localhost",
+        ),
+        env=quiet_env(),
     )
     srv.start()
     try:
@@ -52,3 +59,93 @@ def test_malformed_kv_messages_are_dropped_and_counted(server):
     assert scrape(server.url)["pdserve:dropped_messages_total"] == len(garbage)
     assert httpx.get(server.url + "/health").status_code == 200
     assert generate(server.url).status_code == 200
+
+
+def post(url: str, content: bytes, content_type: str | None = "application/json") -> httpx.Response:
+    headers = {"content-type": content_type} if content_type else {}
+    return httpx.post(url + "/v1/completions", content=content, headers=headers, timeout=30)
+
+
+def body(**fields) -> bytes:  # type: ignore[no-untyped-def]
+    return json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 2, **fields}).encode()
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"top_k": 2**70}, "top_k"),
+        ({"stop_token_ids": [2**70]}, "stop_token_ids"),
+        ({"seed": 2**64 - 1, "n": 2}, "seed"),
+        ({"max_tokens": 2**70}, "max_tokens"),
+        ({"n": 2**70}, "n"),
+        ({"logprobs": 2**70}, "logprobs"),
+        ({"stop": ["x"] * 20_000}, "stop"),
+        ({"stop": ["x" * 5000]}, "stop"),
+        ({"stop_token_ids": list(range(1000))}, "stop_token_ids"),
+        ({"prompt": [2**70]}, "prompt"),
+    ],
+)
+def test_out_of_range_fields_are_400(server, fields, param):
+    r = post(server.url, body(**fields))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_seeds_wrap_within_int64_so_n2_runs_both_choices(server):
+    r = post(server.url, body(seed=2**63 - 1, n=2, temperature=1.0))
+    assert r.status_code == 200, r.text
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1]
+    wait_for(lambda: httpx.get(server.url + "/health").json()["num_requests_in_flight"] == 0)
+    assert httpx.get(server.url + "/health").json()["num_requests_in_flight"] == 0
+
+
+def test_deeply_nested_json_is_400(server):
+    r = post(server.url, b'{"prompt": ' + b"[" * 20_000 + b"]" * 20_000 + b"}")
+    assert r.status_code == 400 and "nested" in r.json()["error"]["message"]
+
+
+def test_body_limit_is_413(server):
+    r = post(server.url, body(prompt="x" * (32 * 2**20)))
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_long_text_is_refused_before_tokenizing(server):
+    r = post(server.url, body(prompt="word " * 200_000))  # 1 MB: under the body limit, far over 512 tokens
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 200_000}]}
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_non_json_posts_are_415(server, content_type):
+    r = post(server.url, body(), content_type)
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+    assert post(server.url, body(), "application/json; charset=utf-8").status_code == 200
+
+
+def test_foreign_host_is_refused(server):
+    r = httpx.get(server.url + "/v1/models", headers={"host": "attacker.example"})
+    assert r.status_code == 400
+    assert httpx.get(server.url + "/v1/models", headers={"host": f"localhost:{server.port}"}).status_code == 200
+
+
+def test_models_disclose_no_path(server):
+    card = httpx.get(server.url + "/v1/models").json()["data"][0]
+    assert "/" not in json.dumps(card)
+
+
+def test_request_timeout_aborts_the_request(server):
+    (engine_pid,) = server.engine_pids()
+    os.kill(engine_pid, signal.SIGSTOP)  # nothing will come from the engine
+    try:
+        r = post(server.url, body())
+        with httpx.stream("POST", server.url + "/v1/completions", content=body(stream=True),
+                          headers={"content-type": "application/json"}, timeout=30) as s:
+            events = [line for line in s.iter_lines() if line.startswith("data: ")]
+    finally:
+        os.kill(engine_pid, signal.SIGCONT)
+    assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout"
+    assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["error"]["code"] == "request_timeout"
+    assert wait_for(lambda: httpx.get(server.url + "/health").json()["num_requests_in_flight"] == 0)
+    assert post(server.url, body()).status_code == 200

@@ -1,0 +1,58 @@
+"""What every POST passes before a route reads it, shared by the server and the router: JSON only, and
+a bounded body read within a deadline (the Host allow-list is starlette's TrustedHostMiddleware).
+
+Why each exists: a web page the user visits can POST to a server on 127.0.0.1 with a "simple" request
+(text/plain, a form, a Blob without a type: no CORS preflight), so only `application/json` is accepted;
+DNS rebinding points a foreign name at 127.0.0.1, which the Host allow-list refuses; and a body is read
+only up to a limit, within a deadline, so one client cannot make the front hold gigabytes or a
+connection forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from pdserve.server.protocol import APIError
+
+JSON_TYPES = ("application/json",)
+
+
+def check_json_content_type(request: Any) -> None:
+    """415 unless the body is declared JSON (parameters such as charset are fine)."""
+    declared = request.headers.get("content-type")
+    media_type = (declared or "").split(";", 1)[0].strip().lower()
+    if media_type not in JSON_TYPES:
+        what = f"Content-Type {declared!r}" if declared else "no Content-Type"
+        raise APIError(415, f"the request has {what}; send application/json", "invalid_request_error", None,
+                       "unsupported_media_type")
+
+
+async def read_body(request: Any, max_bytes: int, timeout_s: float | None) -> bytes:
+    """The whole body, refused with 413 past `max_bytes` (by its Content-Length, or as it arrives) and
+    with 408 if it has not fully arrived within `timeout_s`."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
+    chunks: list[bytes] = []
+    size = 0
+
+    async def read() -> None:
+        nonlocal size
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise _too_large(max_bytes)
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), timeout_s)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout_s:g} s", "invalid_request_error",
+                       None, "request_timeout") from None
+    return b"".join(chunks)
+
+
+def _too_large(max_bytes: int) -> APIError:
+    return APIError(413, f"the request body is larger than {max_bytes} bytes", "invalid_request_error", None,
+                    "request_too_large")
