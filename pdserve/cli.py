@@ -252,6 +252,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout,
         allowed_hosts=_hosts(args.allowed_hosts),
         max_connections=args.max_connections,
+        header_timeout_s=args.read_timeout,
+        body_timeout_s=args.read_timeout,
     )
     serve(config)
     return 0
@@ -269,6 +271,8 @@ def add_http_limit_args(p: argparse.ArgumentParser) -> None:
                    help="serve only requests whose Host header names one of these (default: any)")
     p.add_argument("--max-connections", type=int, default=2048,
                    help="concurrent connections and requests served (HTTP 503 beyond)")
+    p.add_argument("--read-timeout", type=float, default=10.0,
+                   help="seconds a client may take to send a request's head, and again its body")
 
 
 def cmd_router(args: argparse.Namespace) -> int:

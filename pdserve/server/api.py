@@ -37,7 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.server.config import KEEP_ALIVE_S, ServerConfig
 from pdserve.server.engine_client import EngineClient, EngineDeadError, OverloadedError
-from pdserve.server.guards import check_json_content_type, read_body
+from pdserve.server.guards import check_json_content_type, guarded_h11, read_body
 from pdserve.server.messages import KVTransferParams, Ready, RequestDelta
 from pdserve.server.metrics import ServerMetrics, StatsLogger
 from pdserve.server.protocol import (
@@ -767,6 +767,7 @@ def serve(config: ServerConfig) -> None:
         # (measured: 1 of 200 requests from vLLM's benchmark client at 1 req/s).
         timeout_keep_alive=KEEP_ALIVE_S,
         limit_concurrency=config.max_connections,  # beyond it: 503 at once, not a growing backlog
+        http=guarded_h11(config.header_timeout_s),
         h11_max_incomplete_event_size=64 * 1024,  # request line and headers
         lifespan="on",
     )

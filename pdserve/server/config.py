@@ -52,6 +52,7 @@ class ServerConfig:
     # (408), an optional limit on a whole generation request (504 / an error event; None: no limit), the
     # Host names served (None: any), and concurrent connections (503 beyond).
     max_body_bytes: int = 4 * 2**20
+    header_timeout_s: float = 10.0  # a connection whose request head has not arrived by then is closed
     body_timeout_s: float = 30.0
     request_timeout_s: float | None = None
     allowed_hosts: tuple[str, ...] | None = None
@@ -69,7 +70,7 @@ class ServerConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
-        if not self.body_timeout_s > 0 or (self.request_timeout_s is not None and not self.request_timeout_s > 0):
-            raise ValueError("body_timeout_s and request_timeout_s must be > 0")
+        if not self.body_timeout_s > 0 or not self.header_timeout_s > 0 or (self.request_timeout_s is not None and not self.request_timeout_s > 0):
+            raise ValueError("header_timeout_s, body_timeout_s and request_timeout_s must be > 0")
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")

@@ -56,3 +56,48 @@ async def read_body(request: Any, max_bytes: int, timeout_s: float | None) -> by
 def _too_large(max_bytes: int) -> APIError:
     return APIError(413, f"the request body is larger than {max_bytes} bytes", "invalid_request_error", None,
                     "request_too_large")
+
+
+def guarded_h11(header_timeout_s: float) -> type:
+    """uvicorn's h11 protocol, closing a connection whose request line and headers have not all arrived
+    within `header_timeout_s` of its opening or of the previous response (uvicorn has no such timer: a
+    client that sends half a request, or one byte a minute, holds the connection for good)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class GuardedH11(H11Protocol):
+        _header_timer: Any = None
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE:  # a whole request head has arrived
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():  # the next request's head (after keep-alive idling)
+                self._arm(self.timeout_keep_alive)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self, extra: float = 0.0) -> None:
+            self._disarm()
+            self._header_timer = self.loop.call_later(header_timeout_s + extra, self._on_header_timeout)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _on_header_timeout(self) -> None:
+            self._header_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+    return GuardedH11

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
 
 import httpx
@@ -23,7 +24,7 @@ def server():
     srv = ServerProcess(
         tiny_server_args(
             "--role", "decode", "--kv-transfer", "tcp", "--stats-interval", "0", "--request-timeout", "3",
-            "--allowed-hosts", "127.0.0.1,localhost",
+            "--allowed-hosts", "127.0.0.1,localhost", "--read-timeout", "2",
         ),
         env=quiet_env(),
     )
@@ -149,3 +150,27 @@ def test_request_timeout_aborts_the_request(server):
     assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["error"]["code"] == "request_timeout"
     assert wait_for(lambda: httpx.get(server.url + "/health").json()["num_requests_in_flight"] == 0)
     assert post(server.url, body()).status_code == 200
+
+
+def _read_all(sock: socket.socket, timeout: float = 15.0) -> bytes:
+    sock.settimeout(timeout)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def test_half_sent_head_is_closed(server):
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and nothing more
+        assert _read_all(sock) == b""  # closed by the server (a timeout here would raise)
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:  # an idle connection, no bytes at all
+        assert _read_all(sock) == b""
+
+
+def test_half_sent_body_is_408(server):
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"prompt\"")
+        sock.settimeout(15)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 408")
