@@ -106,6 +106,15 @@ class RouterConfig:
             raise ValueError(f"max_connections must be >= 2, got {self.max_connections}")
 
 
+class TransferTotals(msgspec.Struct):
+    """One direction's finished KV transfers on an instance (cumulative since it started)."""
+
+    ok: int = 0
+    failed: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
 class LoadReport(msgspec.Struct):
     """An instance's `GET /load` body."""
 
@@ -113,6 +122,7 @@ class LoadReport(msgspec.Struct):
     num_running: int
     num_waiting: int
     kv_cache_usage: float
+    kv_transfers: dict[str, TransferTotals] = {}
 
 
 class KVReservation(msgspec.Struct):
@@ -154,6 +164,26 @@ class RouterMetrics:
         )
         self.up = {(i.role, i.url): up.labels(i.url, i.role) for i in instances}
         self.in_flight = {(i.role, i.url): in_flight.labels(i.url, i.role) for i in instances}
+        # The instances' own KV-transfer totals, as their last /load reported them.
+        labels = ["url", "role", "direction"]
+        self.kv_transfer_bytes = Gauge(
+            "pdserve:router_instance_kv_transfer_bytes",
+            "KV bytes the instance moved in finished transfers (its own total, from /load).",
+            labels,
+            registry=r,
+        )
+        self.kv_transfer_seconds = Gauge(
+            "pdserve:router_instance_kv_transfer_seconds",
+            "Summed durations of the instance's finished KV transfers (its own total, from /load).",
+            labels,
+            registry=r,
+        )
+        self.kv_transfers = Gauge(
+            "pdserve:router_instance_kv_transfers",
+            "Finished KV transfers of the instance, by outcome (its own total, from /load).",
+            [*labels, "outcome"],
+            registry=r,
+        )
         self.time_to_reservation = Histogram(
             "pdserve:router_time_to_kv_reservation_seconds",
             "Request sent to the decode instance to its answer with a KV reservation.",
@@ -246,6 +276,21 @@ def prefill_body(body: dict[str, Any], chat: bool, reservation: KVReservation) -
         }
     }
     return out
+
+
+def _status_of_whole_body(content: bytes) -> int | None:
+    """None for a decode instance's whole (non-streaming) answer that is a result; the status to answer
+    with if it is an OpenAI error body instead (its status line said 200: the error came after the
+    reservation). 504 for a timeout, else 502: the upstream failed."""
+    try:
+        body = msgspec.json.decode(content)
+    except msgspec.DecodeError:
+        return 502
+    error = body.get("error") if isinstance(body, dict) else None
+    if error is None:
+        return None
+    code = error.get("code") if isinstance(error, dict) else None
+    return 504 if code == "request_timeout" else 502
 
 
 def _last_event_end(buf: bytearray) -> int:
@@ -576,6 +621,14 @@ class Router:
         inst.reported_role = load.role
         inst.num_running, inst.num_waiting = load.num_running, load.num_waiting
         inst.kv_cache_usage = load.kv_cache_usage
+        m = self.metrics
+        for direction, t in load.kv_transfers.items():
+            if direction not in ("send", "receive"):
+                continue
+            m.kv_transfer_bytes.labels(inst.url, inst.role, direction).set(t.bytes)
+            m.kv_transfer_seconds.labels(inst.url, inst.role, direction).set(t.seconds)
+            m.kv_transfers.labels(inst.url, inst.role, direction, "ok").set(t.ok)
+            m.kv_transfers.labels(inst.url, inst.role, direction, "failed").set(t.failed)
 
     def set_up(self, inst: Instance, is_up: bool, reason: str | None = None) -> None:
         if is_up and not inst.is_up:
@@ -703,6 +756,11 @@ class Router:
             if ex.d_resp.headers.get("content-type", "").startswith("text/event-stream"):
                 return ex, first
             await ex.aclose()  # a whole body: the exchange is over
+            status = _status_of_whole_body(first)
+            if status is not None:  # D failed after its 200 went out: the client gets a real error status
+                logger.warning("request %s failed on the decode instance %s", ex.transfer_id, decode.url)
+                self.metrics.requests["failed"].inc()
+                return Response(first, status, media_type="application/json")
             self.metrics.requests["ok"].inc()
             return Response(first, ex.d_resp.status_code, media_type=ex.d_resp.headers.get("content-type"))
         assert failure is not None

@@ -451,6 +451,7 @@ def build_app(config: ServerConfig) -> FastAPI:
                 "num_in_flight": server.client.num_in_flight,
                 "kv_backend": r.kv_backend if r else None,
                 "kv_address": r.kv_address if r else None,
+                "kv_transfers": server.metrics.transfer_totals,
             },
             503 if not server.client.is_alive else 200,
         )

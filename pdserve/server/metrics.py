@@ -225,6 +225,9 @@ class ServerMetrics:
         self.total_prompt_tokens = 0
         self.total_generation_tokens = 0
         self.engine = EngineStats(0, 0, 0.0, 0, 0, 0)
+        # KV transfers by direction ("send", "receive"): counts by outcome, and bytes and seconds of the
+        # ok ones; in /load, so that the router can show every instance's figures.
+        self.transfer_totals: dict[str, dict[str, float]] = {}
 
     def observe_engine(self, stats: EngineStats, step: StepStats | None) -> None:
         last = self.engine
@@ -260,6 +263,11 @@ class ServerMetrics:
                     self.step_time_error.observe(abs(step.predicted_duration - step.duration) / step.duration)
 
     def observe_transfer(self, t: TransferStats) -> None:
+        totals = self.transfer_totals.setdefault(t.direction, {"ok": 0, "failed": 0, "bytes": 0, "seconds": 0.0})
+        totals["ok" if t.ok else "failed"] += 1
+        if t.ok:
+            totals["bytes"] += t.num_bytes
+            totals["seconds"] += t.duration
         name = self._model_name
         self._transfers.labels(name, t.direction, "ok" if t.ok else "failed").inc()
         if t.ok:

@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import time
 
@@ -115,6 +116,16 @@ def test_1p1d_greedy_equals_colocated(colocated, backend):
         c.assert_idle()
         metrics = httpx.get(c.prefills[0].url + "/metrics").text
         assert 'pdserve:kv_transfers_total{direction="send",model_name="tiny",outcome="ok"} 9.0' in metrics
+        # The router shows every instance's transfer figures (from their /load).
+        p_url, d_url = c.prefills[0].url, c.decodes[0].url
+        want = f'pdserve:router_instance_kv_transfers{{direction="send",outcome="ok",role="prefill",url="{p_url}"}} 9.0'
+        assert wait_for(lambda: want in httpx.get(c.url + "/metrics").text), httpx.get(c.url + "/metrics").text
+        router_metrics = httpx.get(c.url + "/metrics").text
+        received = re.search(
+            rf'pdserve:router_instance_kv_transfer_bytes{{direction="receive",role="decode",url="{d_url}"}} (\S+)',
+            router_metrics,
+        )
+        assert received and float(received.group(1)) > 0
     finally:
         c.close()
 

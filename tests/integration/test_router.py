@@ -195,6 +195,12 @@ class FakeInstance(UvicornThread):
         try:
             while transfer_id not in self.cluster.transferred:  # the KV has not arrived
                 await asyncio.sleep(0.002)
+            if not stream and self.mode == "error_body":  # the engine failed after the reservation
+                body = json.dumps(error_body("the request failed in the engine", "server_error", "engine_error"))
+                self.sent += body.encode()
+                finished = True
+                yield body.encode()
+                return
             if not stream:
                 choices = [{"index": 0, "text": "".join(TOKENS)}]
                 body = json.dumps({"id": "cmpl-d", "choices": choices, "by": self.name})
@@ -375,6 +381,16 @@ def test_chat_without_stream_returns_the_decode_json_body(fakes):
         assert p_rec.body["messages"] == CHAT["messages"]
         assert kv_params(p_rec)["remote_decode"]["transfer_id"] == kv_params(d_rec)["transfer_id"]
         assert d_rec.body == {**CHAT, "kv_transfer_params": kv_params(d_rec)}
+
+
+def test_decode_failure_after_the_reservation_is_5xx_not_200(fakes):
+    p, d = fakes["p1"], fakes["d1"]
+    d.mode = "error_body"
+    with run_router([p], [d]) as (url, _), client() as c:
+        r = c.post(url + "/v1/completions", json=COMPLETION)
+        assert r.status_code == 502
+        assert r.json() == error_body("the request failed in the engine", "server_error", "engine_error")
+        assert outcome(url, "failed") == 1 and outcome(url, "ok") == 0
 
 
 def test_models_come_from_a_decode_instance(fakes):
