@@ -2,7 +2,10 @@
 
 Blocks hold `block_size` tokens. A block is free when no request references it. A *full* block whose
 tokens have been computed gets a hash chained over its whole prefix (parent hash, its token ids), so a
-later request with the same prefix reuses it instead of recomputing (prefix caching). Freed blocks keep
+later request with the same prefix reuses it instead of recomputing (prefix caching). The hash is a
+BLAKE2b digest, not Python's `hash()`: a client who could craft a collision would be served another
+user's KV (vLLM moved to sha256 for this reason); and a hit is trusted only once the block's own tokens
+compare equal too. Freed blocks keep
 their hash and stay findable until they are handed out again. Free blocks without a hash are handed out
 first, lowest block id first: that keeps a request's blocks close together in memory, which the decode
 attention reads faster (measured: with the most recently freed block reused first instead, decode steps
@@ -15,17 +18,27 @@ A request's block table is `Request.block_ids`; only this class appends to or cl
 
 from __future__ import annotations
 
+import hashlib
 import heapq
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
 from pdserve.request import Request
 
+BlockHash = bytes
 
-def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Hash of a full block given the hash of the block before it. Tuples of ints hash the same in every
-    process (no hash randomisation), so instances can compare hashes."""
-    return hash((parent_hash, tuple(token_ids)))
+
+def hash_block(parent_hash: BlockHash | None, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
+    """256-bit BLAKE2b digest of a full block given the digest of the block before it, its token ids and
+    anything else its KV depends on (`extra`: none yet; adapters would go here). The same in every
+    process, so instances can compare hashes."""
+    h = hashlib.blake2b(digest_size=32)
+    h.update(parent_hash or b"\0" * 32)
+    h.update(len(extra).to_bytes(4, "little"))
+    h.update(extra)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
 
 
 class BlockManager:
@@ -36,13 +49,14 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.block_hashes: list[int | None] = [None] * num_blocks
+        self.block_hashes: list[BlockHash | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks  # of each hashed block
         # Blocks with no references: without a hash (a heap: lowest id next), and cached ones in the order
         # they are evicted (first = next).
         self._free_uncached: list[int] = list(range(num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()
-        self._cached: dict[int, int] = {}  # block hash -> block id
-        self._req_hashes: dict[str, list[int]] = {}  # req_id -> hashes of its full, computed blocks
+        self._cached: dict[BlockHash, int] = {}  # block hash -> block id
+        self._req_hashes: dict[str, list[BlockHash]] = {}  # req_id -> hashes of its full, computed blocks
         self.num_prefix_hit_tokens = 0
         self.num_prefix_queried_tokens = 0
 
@@ -71,13 +85,14 @@ class BlockManager:
             return []
         num_full = (req.num_tokens - 1) // self.block_size
         hits: list[int] = []
-        parent: int | None = None
+        parent: BlockHash | None = None
         tokens = req.all_token_ids()
         bs = self.block_size
         for i in range(num_full):
-            h = hash_block(parent, tokens[i * bs : (i + 1) * bs])
+            block_tokens = tokens[i * bs : (i + 1) * bs]
+            h = hash_block(parent, block_tokens)
             block = self._cached.get(h)
-            if block is None:
+            if block is None or self.block_tokens[block] != tuple(block_tokens):  # a collision is a miss
                 break
             hits.append(block)
             parent = h
@@ -97,12 +112,14 @@ class BlockManager:
         tokens = req.all_token_ids()
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_full):
-            h = hash_block(parent, tokens[i * bs : (i + 1) * bs])
+            block_tokens = tokens[i * bs : (i + 1) * bs]
+            h = hash_block(parent, block_tokens)
             hashes.append(h)
             parent = h
             block = req.block_ids[i]
             if self.block_hashes[block] is None and h not in self._cached:
                 self.block_hashes[block] = h
+                self.block_tokens[block] = tuple(block_tokens)
                 self._cached[h] = block
 
     # ---- allocation ----------------------------------------------------------------------------
@@ -131,6 +148,7 @@ class BlockManager:
             h = self.block_hashes[b]
             if h is not None:  # evict: its contents are about to be overwritten
                 self.block_hashes[b] = None
+                self.block_tokens[b] = None
                 if self._cached.get(h) == b:
                     del self._cached[h]
             self.ref_counts[b] = 1
@@ -154,6 +172,7 @@ class BlockManager:
         """Forget every cached hash (e.g. for a fair benchmark run)."""
         for h, b in self._cached.items():
             self.block_hashes[b] = None
+            self.block_tokens[b] = None
         self._cached.clear()
         for b in self._free_cached:  # free blocks without a hash now
             heapq.heappush(self._free_uncached, b)

@@ -508,3 +508,29 @@ def test_uncached_blocks_go_before_cached_ones_and_reset_uncaches():
     bm.check_invariants([b])
     c = make_req([9] * 8)
     assert bm.allocate_slots(c, 8) and c.block_ids == [0, 1]
+
+
+def test_prefix_hashes_are_digests_that_python_hash_collisions_do_not_fool() -> None:
+    # CPython's hash(-1) == hash(-2): with hash() a block of [-2, ...] found the KV of [-1, ...].
+    assert hash((None, (-1,))) == hash((None, (-2,)))
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = make_req([-1, 5, 6, 7, 0])
+    admit(bm, a)
+    compute_all(bm, a)
+    assert bm.get_computed_blocks(make_req([-2, 5, 6, 7, 0])) == []
+    assert bm.get_computed_blocks(make_req([-1, 5, 6, 7, 0])) == a.block_ids[:1]
+    h = hash_block(None, [1, 2, 3, 4])
+    assert isinstance(h, bytes) and len(h) == 32
+    assert hash_block(None, [1, 2, 3, 4], extra=b"adapter") != h
+
+
+def test_a_hash_hit_with_other_tokens_is_a_miss(monkeypatch) -> None:
+    import pdserve.kv.block_manager as block_manager
+
+    monkeypatch.setattr(block_manager, "hash_block", lambda parent, tokens, extra=b"": b"same" * 8)
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = make_req([1, 2, 3, 4, 0])
+    admit(bm, a)
+    compute_all(bm, a)
+    assert bm.get_computed_blocks(make_req([9, 9, 9, 9, 0])) == []  # same "hash", other tokens
+    assert bm.get_computed_blocks(make_req([1, 2, 3, 4, 0])) == a.block_ids[:1]
