@@ -35,6 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from pdserve.server.chat import ChatEncoder
 from pdserve.server.config import KEEP_ALIVE_S, ServerConfig
 from pdserve.server.engine_client import EngineClient, EngineDeadError, OverloadedError
 from pdserve.server.guards import check_json_content_type, guarded_h11, read_body
@@ -130,6 +131,7 @@ class Server:
         self.tokenizer: Any = None
         self.ready: Ready | None = None
         self.logprob_formatter: LogprobFormatter | None = None
+        self.chat_encoder: ChatEncoder | None = None
         self.started = int(time.time())
 
     async def start(self) -> None:
@@ -143,6 +145,7 @@ class Server:
             await self._start_engine(None)
             self.tokenizer = await loading
         self.logprob_formatter = LogprobFormatter(self.tokenizer)
+        self.chat_encoder = ChatEncoder(self.tokenizer)
 
     async def _start_engine(self, tokenizer: object | None) -> None:
         try:
@@ -227,12 +230,14 @@ class Server:
         """Template and tokenize the messages in a worker thread, after a cheap length check."""
         self.check_text_length([m["content"] for m in messages], "messages")
 
+        encoder = self.chat_encoder
+        assert encoder is not None
+
         def run() -> list[int]:
-            try:
-                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            try:  # message content is encoded as plain text: no special tokens typed by the user
+                return encoder.encode(messages, add_generation_prompt)
             except (ValueError, TypeError) as e:  # InvalidRequestError: no template, or it refused them
                 raise bad_request(str(e), param="messages") from None
-            return self.tokenizer.encode(text)
 
         return await asyncio.to_thread(run)
 
