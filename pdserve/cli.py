@@ -215,7 +215,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.disagg:
         from pdserve.disagg.cluster import serve_cluster
 
-        return serve_cluster(args.disagg, args.argv, args.host, args.port, args.num_threads)
+        return serve_cluster(args.disagg, args.argv, args.host, args.port, args.num_threads, _api_key(args))
     num_threads = args.num_threads
     if num_threads is None:  # every core for the engine: the front is light (measured in docs/architecture.md)
         num_threads = len(os.sched_getaffinity(0))
@@ -254,9 +254,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_connections=args.max_connections,
         header_timeout_s=args.read_timeout,
         body_timeout_s=args.read_timeout,
+        api_key=_api_key(args),
+        cluster_secret=_cluster_secret(args),
     )
     serve(config)
     return 0
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    import os
+
+    return args.api_key or os.environ.get("PDSERVE_API_KEY") or None
+
+
+def _cluster_secret(args: argparse.Namespace) -> str | None:
+    import os
+
+    return args.cluster_secret or os.environ.get("PDSERVE_CLUSTER_SECRET") or None
 
 
 def _hosts(value: str | None) -> tuple[str, ...] | None:
@@ -273,6 +287,11 @@ def add_http_limit_args(p: argparse.ArgumentParser) -> None:
                    help="concurrent connections and requests served (HTTP 503 beyond)")
     p.add_argument("--read-timeout", type=float, default=10.0,
                    help="seconds a client may take to send a request's head, and again its body")
+    p.add_argument("--api-key", default=None,
+                   help="clients must send `Authorization: Bearer KEY` (default: $PDSERVE_API_KEY; none: open)")
+    p.add_argument("--cluster-secret", default=None,
+                   help="the secret the router and instances of a disaggregated cluster share (default: "
+                   "$PDSERVE_CLUSTER_SECRET; `serve --disagg` makes one)")
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -295,6 +314,13 @@ def cmd_router(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout,
         load_interval_s=args.load_interval,
         access_log=args.access_log,
+        api_key=_api_key(args),
+        cluster_secret=_cluster_secret(args),
+        max_body_bytes=args.max_body_bytes,
+        body_timeout_s=args.read_timeout,
+        header_timeout_s=args.read_timeout,
+        allowed_hosts=_hosts(args.allowed_hosts),
+        max_client_connections=args.max_connections,
     )
     serve_router(config)
     return 0
@@ -366,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load-interval", type=float, default=0.5,
                    help="seconds between polls of every instance's /health and /load")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    add_http_limit_args(p)
     p.set_defaults(func=cmd_router)
 
     args = parser.parse_args(argv)

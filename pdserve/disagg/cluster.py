@@ -12,13 +12,15 @@ from __future__ import annotations
 import logging
 import os
 import re
+import secrets
 from collections.abc import Sequence
 
 logger = logging.getLogger(__name__)
 
 # serve options that the cluster sets per instance: (flag, takes a value)
 _OWN_OPTIONS = {"--disagg": True, "--host": True, "--port": True, "--num-threads": True, "--role": True,
-                "--kv-transfer": True, "--kv-transfer-host": True, "--kv-transfer-port": True}
+                "--kv-transfer": True, "--kv-transfer-host": True, "--kv-transfer-port": True,
+                "--cluster-secret": True}
 
 
 def parse_topology(spec: str) -> tuple[int, int]:
@@ -46,9 +48,16 @@ def instance_args(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def serve_cluster(spec: str, argv: Sequence[str], host: str, port: int, num_threads: int | None) -> int:
+def serve_cluster(
+    spec: str, argv: Sequence[str], host: str, port: int, num_threads: int | None, api_key: str | None = None
+) -> int:
     from pdserve.disagg.router import RouterConfig, serve_router
     from pdserve.server.launcher import ServerProcess
+
+    # A fresh cluster secret: only this router can reserve KV blocks on, or send KV through, the
+    # instances (passed in the environment, not on a command line that `ps` shows).
+    secret = os.environ.get("PDSERVE_CLUSTER_SECRET") or secrets.token_hex(32)
+    env = {**os.environ, "PDSERVE_CLUSTER_SECRET": secret}
 
     num_prefill, num_decode = parse_topology(spec)
     n = num_prefill + num_decode
@@ -56,7 +65,7 @@ def serve_cluster(spec: str, argv: Sequence[str], host: str, port: int, num_thre
     shared = instance_args(argv)
     roles = ["prefill"] * num_prefill + ["decode"] * num_decode
     procs = [
-        ServerProcess([*shared, "--role", role, "--kv-transfer", "shm", "--num-threads", str(threads)])
+        ServerProcess([*shared, "--role", role, "--kv-transfer", "shm", "--num-threads", str(threads)], env=env)
         for role in roles
     ]
     try:
@@ -70,6 +79,8 @@ def serve_cluster(spec: str, argv: Sequence[str], host: str, port: int, num_thre
             decode_urls=tuple(p.url for p, r in zip(procs, roles) if r == "decode"),
             host=host,
             port=port,
+            api_key=api_key,
+            cluster_secret=secret,
         )
         logger.info("router on http://%s:%d over %d prefill + %d decode", host, port, num_prefill, num_decode)
         serve_router(config)

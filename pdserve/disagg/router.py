@@ -51,6 +51,7 @@ from pdserve.disagg.policies import (
     Instance,
     make_policy,
 )
+from pdserve.server.guards import CLUSTER_HEADER, check_api_key, check_json_content_type, guarded_h11, read_body
 from pdserve.server.protocol import APIError, add_error_handlers, bad_request
 from pdserve.server.streaming import WatchedStream, wait_disconnect
 
@@ -82,6 +83,13 @@ class RouterConfig:
     health_timeout_s: float = 2.0
     max_connections: int = 1024  # to all instances together; each request holds two while it runs
     access_log: bool = False
+    api_key: str | None = None  # clients must send `Authorization: Bearer <api_key>` (None: no key)
+    cluster_secret: str | None = None  # sent to the instances with every request (they require it)
+    max_body_bytes: int = 4 * 2**20
+    body_timeout_s: float = 30.0
+    header_timeout_s: float = 10.0
+    allowed_hosts: tuple[str, ...] | None = None
+    max_client_connections: int = 2048
 
     def __post_init__(self) -> None:
         for name in ("prefill_urls", "decode_urls"):
@@ -386,7 +394,7 @@ class _Exchange:
             "POST",
             self.decode.url + self.path,
             content=_json.encode(decode_body(self.body, self.transfer_id)),
-            headers=_UPSTREAM_HEADERS,
+            headers=self.router.upstream_headers,
         )
         started = time.monotonic()
         try:
@@ -462,7 +470,7 @@ class _Exchange:
         started = time.monotonic()
         try:
             resp = await router.client.post(
-                self.prefill.url + self.path, content=_json.encode(p_body), headers=_UPSTREAM_HEADERS
+                self.prefill.url + self.path, content=_json.encode(p_body), headers=router.upstream_headers
             )
         except httpx.HTTPError as e:
             self._events.put_nowait((_FAILED, router.upstream_error(self.prefill, e)))
@@ -550,14 +558,18 @@ class Router:
         }
         self.metrics = RouterMetrics([i for role in ROLES for i in self.instances[role]])
         # Polling has a client of its own, so that a pool full of long generations never delays it.
+        headers = {CLUSTER_HEADER: config.cluster_secret} if config.cluster_secret else {}
+        self.upstream_headers = {**_UPSTREAM_HEADERS, **headers}
         self.client = httpx.AsyncClient(
             transport=transport,
+            headers=headers,
             timeout=httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s),
             limits=httpx.Limits(max_connections=config.max_connections, max_keepalive_connections=256),
             trust_env=False,  # instances are addressed directly, never through a proxy
         )
         self.poll_client = httpx.AsyncClient(
             transport=transport,
+            headers=headers,
             timeout=httpx.Timeout(config.health_timeout_s),
             limits=httpx.Limits(max_connections=4 * len(self.metrics.up) + 4),
             trust_env=False,
@@ -684,9 +696,13 @@ class Router:
     # ---- requests -------------------------------------------------------------------------------
     async def generate(self, request: Request, path: str) -> Response:
         arrival = time.monotonic()
+        c = self.config
         try:
+            check_api_key(request, c.api_key)
+            check_json_content_type(request)
             chat = path.endswith("/chat/completions")
-            body, num_tokens = parse_generation_body(await request.body(), chat)
+            raw = await read_body(request, c.max_body_bytes, c.body_timeout_s)
+            body, num_tokens = parse_generation_body(raw, chat)
         except APIError:
             self.metrics.requests["rejected"].inc()
             raise
@@ -767,8 +783,9 @@ class Router:
         self.metrics.requests["failed" if failure.retryable else "rejected"].inc()
         return Response(failure.content, failure.status, media_type=failure.media_type)
 
-    async def models(self) -> Response:
+    async def models(self, request: Request) -> Response:
         """GET /v1/models of the first decode instance that answers."""
+        check_api_key(request, self.config.api_key)
         for inst in self.instances["decode"]:
             if not inst.is_up:
                 continue
@@ -820,6 +837,10 @@ def build_router_app(config: RouterConfig, transport: httpx.AsyncBaseTransport |
     app.state.router = router
 
     add_error_handlers(app, "router")
+    if config.allowed_hosts is not None:
+        from starlette.middleware.trustedhost import TrustedHostMiddleware
+
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(config.allowed_hosts))
 
     @app.get("/health")
     async def health() -> Response:
@@ -830,8 +851,8 @@ def build_router_app(config: RouterConfig, transport: httpx.AsyncBaseTransport |
         return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models() -> Response:
-        return await router.models()
+    async def models(request: Request) -> Response:
+        return await router.models(request)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -856,7 +877,8 @@ def serve_router(config: RouterConfig) -> None:
 
     uv = uvicorn.Config(
         app, host=config.host, port=config.port, log_level="info", access_log=config.access_log, lifespan="on",
-        timeout_keep_alive=KEEP_ALIVE_S,
+        timeout_keep_alive=KEEP_ALIVE_S, limit_concurrency=config.max_client_connections,
+        http=guarded_h11(config.header_timeout_s), h11_max_incomplete_event_size=64 * 1024,
     )
     try:
         uvicorn.Server(uv).run()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import signal
 import time
 import uuid
@@ -38,7 +39,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pdserve.server.chat import ChatEncoder
 from pdserve.server.config import KEEP_ALIVE_S, ServerConfig
 from pdserve.server.engine_client import EngineClient, EngineDeadError, OverloadedError
-from pdserve.server.guards import check_json_content_type, guarded_h11, read_body
+from pdserve.server.guards import (
+    check_api_key,
+    check_cluster,
+    check_json_content_type,
+    guarded_h11,
+    read_body,
+)
 from pdserve.server.messages import KVTransferParams, Ready, RequestDelta
 from pdserve.server.metrics import ServerMetrics, StatsLogger
 from pdserve.server.protocol import (
@@ -198,7 +205,8 @@ class Server:
         return max_tokens
 
     async def body(self, request: Request) -> bytes:
-        """The POST body: declared JSON, bounded, arrived in time."""
+        """The POST body of an authenticated request: declared JSON, bounded, arrived in time."""
+        check_api_key(request, self.config.api_key, self.config.cluster_secret)
         check_json_content_type(request)
         c = self.config
         return await read_body(request, c.max_body_bytes, c.body_timeout_s)
@@ -261,15 +269,20 @@ class Server:
             param="prompt",
         )
 
-    def kv_transfer_of(self, req: Any, job: _Job) -> KVTransferParams | None:
-        """The request's disaggregation part, checked; None for an ordinary request."""
+    def kv_transfer_of(self, req: Any, job: _Job, request: Request) -> KVTransferParams | None:
+        """The request's disaggregation part, checked; None for an ordinary request. Only the cluster's
+        router may send one: it names where KV goes and reserves blocks."""
         p = req.kv_transfer_params
         if p is None:
             return None
+        check_cluster(request, self.config.cluster_secret, "kv_transfer_params")
         if self.ready is None or self.ready.kv_backend is None:
             raise bad_request("this instance has no KV transfer backend (--kv-transfer)", param="kv_transfer_params")
         if job.num_choices != 1:
             raise bad_request("kv_transfer_params needs exactly one prompt and n = 1", param="kv_transfer_params")
+        tid = p.get("transfer_id") if "transfer_id" in p else (p.get("remote_decode") or {}).get("transfer_id")
+        if not (isinstance(tid, str) and re.fullmatch(r"[0-9A-Za-z_-]{1,64}", tid)):
+            raise bad_request("kv_transfer_params: transfer_id must be 1-64 of [0-9A-Za-z_-]", param="kv_transfer_params")
         if p.get("remote_prefill") is True and isinstance(p.get("transfer_id"), str):
             return KVTransferParams(p["transfer_id"], remote_decode=False)
         d = p.get("remote_decode")
@@ -443,8 +456,11 @@ def build_app(config: ServerConfig) -> FastAPI:
         )
 
     @app.get("/load")
-    async def load() -> Response:
-        """What a router needs to pick this instance."""
+    async def load(request: Request) -> Response:
+        """What a router needs to pick this instance (only the cluster's router, when there is a secret:
+        it shows where this instance receives KV)."""
+        if config.cluster_secret is not None:
+            check_cluster(request, config.cluster_secret, "GET /load")
         s = server.client.stats
         r = server.ready
         return _json_response(
@@ -466,7 +482,8 @@ def build_app(config: ServerConfig) -> FastAPI:
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models() -> Response:
+    async def models(request: Request) -> Response:
+        check_api_key(request, config.api_key, config.cluster_secret)
         assert server.ready is not None
         card = {
             "id": server.model_name,
@@ -499,7 +516,7 @@ def build_app(config: ServerConfig) -> FastAPI:
             bool(req.stream_options and req.stream_options.include_usage),
             req.logprobs,
         )
-        kv = server.kv_transfer_of(req, job)
+        kv = server.kv_transfer_of(req, job, request)
         server.submit(job, params, kv)
         if kv is not None and not kv.remote_decode:
             return await _after_reservation(server, job, kv, request, chat=False)
@@ -534,7 +551,7 @@ def build_app(config: ServerConfig) -> FastAPI:
             bool(req.stream_options and req.stream_options.include_usage),
             num_logprobs,
         )
-        kv = server.kv_transfer_of(req, job)
+        kv = server.kv_transfer_of(req, job, request)
         server.submit(job, params, kv)
         if kv is not None and not kv.remote_decode:
             return await _after_reservation(server, job, kv, request, chat=True)

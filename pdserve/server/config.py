@@ -57,6 +57,10 @@ class ServerConfig:
     request_timeout_s: float | None = None
     allowed_hosts: tuple[str, ...] | None = None
     max_connections: int = 2048
+    # Authentication: clients send `Authorization: Bearer <api_key>` (None: no key needed); the router of
+    # a disaggregated cluster sends the cluster secret, which alone unlocks kv_transfer_params and /load.
+    api_key: str | None = None
+    cluster_secret: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -72,5 +76,8 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if not self.body_timeout_s > 0 or not self.header_timeout_s > 0 or (self.request_timeout_s is not None and not self.request_timeout_s > 0):
             raise ValueError("header_timeout_s, body_timeout_s and request_timeout_s must be > 0")
+        for name in ("api_key", "cluster_secret"):
+            if getattr(self, name) is not None and len(getattr(self, name)) < 8:
+                raise ValueError(f"{name} must have at least 8 characters")
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")

@@ -11,6 +11,7 @@ connection forever.
 from __future__ import annotations
 
 import asyncio
+import hmac
 from typing import Any
 
 from pdserve.server.protocol import APIError
@@ -101,3 +102,40 @@ def guarded_h11(header_timeout_s: float) -> type:
                 self.transport.close()
 
     return GuardedH11
+
+
+# ---- authentication ------------------------------------------------------------------------------
+
+CLUSTER_HEADER = "x-pdserve-cluster-secret"  # router -> instance requests of a disaggregated cluster
+
+
+def _same(given: str | None, expected: str) -> bool:
+    """Constant-time comparison (timing must not tell how much of a guess was right)."""
+    return given is not None and hmac.compare_digest(given.encode(), expected.encode())
+
+
+def is_cluster_request(request: Any, cluster_secret: str | None) -> bool:
+    """Whether the request carries the cluster's secret (comes from its router)."""
+    return cluster_secret is not None and _same(request.headers.get(CLUSTER_HEADER), cluster_secret)
+
+
+def check_api_key(request: Any, api_key: str | None, cluster_secret: str | None = None) -> None:
+    """401 unless the request carries `Authorization: Bearer <api_key>` (OpenAI's convention), or comes
+    from the cluster's router. No key configured: everything passes."""
+    if api_key is None or is_cluster_request(request, cluster_secret):
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and _same(token.strip(), api_key):
+        return
+    raise APIError(401, "Incorrect or missing API key: send the header `Authorization: Bearer <key>`",
+                   "invalid_request_error", None, "invalid_api_key")
+
+
+def check_cluster(request: Any, cluster_secret: str | None, what: str) -> None:
+    """403 unless the request comes from the cluster's router (and a cluster secret is configured)."""
+    if cluster_secret is None:
+        raise APIError(403, f"{what} needs a cluster secret (--cluster-secret or PDSERVE_CLUSTER_SECRET), "
+                       "which this instance does not have", "invalid_request_error", None, "no_cluster_secret")
+    if not is_cluster_request(request, cluster_secret):
+        raise APIError(403, f"{what} is accepted only from this cluster's router", "invalid_request_error", None,
+                       "not_the_router")

@@ -32,17 +32,25 @@ PROMPTS = [
 ]
 
 
+SECRET = "disagg-test-cluster-secret"
+ROUTER = {"x-pdserve-cluster-secret": SECRET}  # what the router sends: /load needs it
+
+
+def cluster_env() -> dict[str, str]:
+    return {**quiet_env(), "PDSERVE_CLUSTER_SECRET": SECRET}
+
+
 def instance(role: str, backend: str, *extra: str) -> ServerProcess:
     return ServerProcess(
         tiny_server_args("--role", role, "--kv-transfer", backend, "--kv-ack-timeout", "3", "--kv-lease", "20", *extra),
-        env=quiet_env(),
+        env=cluster_env(),
     )
 
 
 def router(prefills: list[ServerProcess], decodes: list[ServerProcess]) -> ServerProcess:
     args = ["--prefill", ",".join(p.url for p in prefills), "--decode", ",".join(d.url for d in decodes),
             "--load-interval", "0.2", "--request-timeout", "30"]
-    return ServerProcess(args, env=quiet_env(), command="router")
+    return ServerProcess(args, env=cluster_env(), command="router")
 
 
 class Cluster:
@@ -67,10 +75,10 @@ class Cluster:
         """Every surviving instance holds no request and no block."""
         for s in self.alive_instances():
             def idle(s: ServerProcess = s) -> bool:
-                load = httpx.get(s.url + "/load", timeout=5).json()
+                load = httpx.get(s.url + "/load", headers=ROUTER, timeout=5).json()
                 return load["num_running"] == 0 and load["num_waiting"] == 0 and load["kv_cache_usage"] == 0.0 \
                     and load["num_in_flight"] == 0
-            assert wait_for(idle, timeout), (s.url, httpx.get(s.url + "/load").json())
+            assert wait_for(idle, timeout), (s.url, httpx.get(s.url + "/load", headers=ROUTER).json())
 
 
 def completion(url: str, prompt: str, max_tokens: int = 12, stream: bool = False, timeout: float = 60) -> str:
@@ -201,7 +209,7 @@ def test_kill_decode_mid_stream_and_mid_transfer():
             busy = None
             for _ in range(200):
                 await asyncio.sleep(0.05)
-                loads = [httpx.get(d.url + "/load").json() for d in c.decodes]
+                loads = [httpx.get(d.url + "/load", headers=ROUTER).json() for d in c.decodes]
                 busy = next((d for d, l in zip(c.decodes, loads) if l["num_running"]), None)
                 if busy is not None:
                     break

@@ -60,6 +60,7 @@ class Received:
     path: str
     body: dict[str, Any]
     disconnected: threading.Event = field(default_factory=threading.Event)
+    cluster_secret: str | None = None  # the x-pdserve-cluster-secret header it came with
 
 
 @dataclass
@@ -143,7 +144,8 @@ class FakeInstance(UvicornThread):
             return JSONResponse({"object": "list", "data": [{"id": f"model-of-{self.name}"}]})
 
         async def generate(request: Request) -> Response:
-            rec = Received(request.url.path, json.loads(await request.body()))
+            rec = Received(request.url.path, json.loads(await request.body()),
+                           cluster_secret=request.headers.get("x-pdserve-cluster-secret"))
             self.received.append(rec)
             if self.role == "prefill":
                 return await self._prefill(request, rec)
@@ -391,6 +393,21 @@ def test_decode_failure_after_the_reservation_is_5xx_not_200(fakes):
         assert r.status_code == 502
         assert r.json() == error_body("the request failed in the engine", "server_error", "engine_error")
         assert outcome(url, "failed") == 1 and outcome(url, "ok") == 0
+
+
+def test_api_key_and_cluster_secret(fakes):
+    p, d = fakes["p1"], fakes["d1"]
+    with run_router([p], [d], api_key="sk-router-key", cluster_secret="s3cret-s3cret") as (url, _), client() as c:
+        for headers in ({}, {"authorization": "Bearer nope-nope"}):
+            r = c.post(url + "/v1/completions", json=COMPLETION, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            assert c.get(url + "/v1/models", headers=headers).status_code == 401
+        assert p.received == [] and d.received == []
+        assert c.post(url + "/v1/completions", content=b"{}", headers={"content-type": "text/plain",
+                      "authorization": "Bearer sk-router-key"}).status_code == 415
+        r = c.post(url + "/v1/completions", json=COMPLETION, headers={"authorization": "Bearer sk-router-key"})
+        assert r.status_code == 200
+        assert [rec.cluster_secret for rec in p.received + d.received] == ["s3cret-s3cret"] * 2
 
 
 def test_models_come_from_a_decode_instance(fakes):

@@ -19,6 +19,12 @@ from pdserve.server.launcher import ServerProcess
 from tests.integration.test_server import MODEL, quiet_env, scrape, tiny_server_args, wait_for
 
 
+API_KEY = "sk-test-0123456789"
+SECRET = "cluster-secret-0123456789"
+AUTH = {"authorization": f"Bearer {API_KEY}"}
+ROUTER = {"x-pdserve-cluster-secret": SECRET}
+
+
 @pytest.fixture(scope="module")
 def server():
     srv = ServerProcess(
@@ -26,7 +32,7 @@ def server():
             "--role", "decode", "--kv-transfer", "tcp", "--stats-interval", "0", "--request-timeout", "3",
             "--allowed-hosts", "127.0.0.1,localhost", "--read-timeout", "2",
         ),
-        env=quiet_env(),
+        env={**quiet_env(), "PDSERVE_API_KEY": API_KEY, "PDSERVE_CLUSTER_SECRET": SECRET},
     )
     srv.start()
     try:
@@ -37,11 +43,11 @@ def server():
 
 def generate(url: str, **extra) -> httpx.Response:  # type: ignore[no-untyped-def]
     body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0, **extra}
-    return httpx.post(url + "/v1/completions", json=body, timeout=30)
+    return httpx.post(url + "/v1/completions", json=body, headers=AUTH, timeout=30)
 
 
 def test_malformed_kv_messages_are_dropped_and_counted(server):
-    address = httpx.get(server.url + "/load").json()["kv_address"]
+    address = httpx.get(server.url + "/load", headers=ROUTER).json()["kv_address"]
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -63,7 +69,7 @@ def test_malformed_kv_messages_are_dropped_and_counted(server):
 
 
 def post(url: str, content: bytes, content_type: str | None = "application/json") -> httpx.Response:
-    headers = {"content-type": content_type} if content_type else {}
+    headers = {"content-type": content_type, **AUTH} if content_type else dict(AUTH)
     return httpx.post(url + "/v1/completions", content=content, headers=headers, timeout=30)
 
 
@@ -114,7 +120,7 @@ def test_long_text_is_refused_before_tokenizing(server):
     r = post(server.url, body(prompt="word " * 200_000))  # 1 MB: under the body limit, far over 512 tokens
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 200_000}]}
-    r = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=30)
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat, headers=AUTH, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
@@ -126,13 +132,14 @@ def test_non_json_posts_are_415(server, content_type):
 
 
 def test_foreign_host_is_refused(server):
-    r = httpx.get(server.url + "/v1/models", headers={"host": "attacker.example"})
+    r = httpx.get(server.url + "/v1/models", headers={"host": "attacker.example", **AUTH})
     assert r.status_code == 400
-    assert httpx.get(server.url + "/v1/models", headers={"host": f"localhost:{server.port}"}).status_code == 200
+    ok = httpx.get(server.url + "/v1/models", headers={"host": f"localhost:{server.port}", **AUTH})
+    assert ok.status_code == 200
 
 
 def test_models_disclose_no_path(server):
-    card = httpx.get(server.url + "/v1/models").json()["data"][0]
+    card = httpx.get(server.url + "/v1/models", headers=AUTH).json()["data"][0]
     assert "/" not in json.dumps(card)
 
 
@@ -142,7 +149,7 @@ def test_request_timeout_aborts_the_request(server):
     try:
         r = post(server.url, body())
         with httpx.stream("POST", server.url + "/v1/completions", content=body(stream=True),
-                          headers={"content-type": "application/json"}, timeout=30) as s:
+                          headers={"content-type": "application/json", **AUTH}, timeout=30) as s:
             events = [line for line in s.iter_lines() if line.startswith("data: ")]
     finally:
         os.kill(engine_pid, signal.SIGCONT)
@@ -171,6 +178,33 @@ def test_half_sent_head_is_closed(server):
 def test_half_sent_body_is_408(server):
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + API_KEY.encode() + b"\r\n"
                      b"Content-Length: 100\r\n\r\n{\"prompt\"")
         sock.settimeout(15)
         assert sock.recv(65536).startswith(b"HTTP/1.1 408")
+
+
+@pytest.mark.parametrize("headers", [{}, {"authorization": "Bearer wrong-key-000"}, {"authorization": API_KEY},
+                                     {"x-pdserve-cluster-secret": "wrong-secret-000"}])
+def test_api_key_is_required(server, headers):
+    r = httpx.post(server.url + "/v1/completions", content=body(), timeout=30,
+                   headers={"content-type": "application/json", **headers})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/v1/models", headers=headers).status_code == 401
+    assert httpx.get(server.url + "/health").status_code == 200  # health and metrics stay open
+
+
+def test_kv_transfer_params_and_load_only_from_the_router(server):
+    kv = {"remote_prefill": True, "transfer_id": "abc123"}
+    r = post(server.url, body(kv_transfer_params=kv))  # a client with the API key, but not the router
+    assert r.status_code == 403 and r.json()["error"]["code"] == "not_the_router"
+    assert "x-pdserve-kv-reservation" not in r.headers
+    load = httpx.get(server.url + "/load", headers=AUTH)
+    assert load.status_code == 403 and "kv_address" not in load.text
+    # The router (it holds the cluster secret) gets its reservation.
+    with httpx.stream("POST", server.url + "/v1/completions", content=body(kv_transfer_params=kv), timeout=30,
+                      headers={"content-type": "application/json", **ROUTER}) as r:
+        assert r.status_code == 200
+        reservation = json.loads(r.headers["x-pdserve-kv-reservation"])
+    assert reservation["transfer_id"] == "abc123"
+    assert wait_for(lambda: httpx.get(server.url + "/health").json()["num_requests_in_flight"] == 0)
