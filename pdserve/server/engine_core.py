@@ -80,6 +80,8 @@ def run_engine_core(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s engine-core %(name)s: %(message)s"
     )
     engine = build_engine(config, tokenizer)
+    if config.cluster_secret is not None and engine.connector is not None:  # every KV message is MACed
+        engine.connector.transport.authenticate_with(config.cluster_secret.encode())
     core = EngineCore(engine, addresses, parent_pid)
     try:
         core.run()

@@ -139,5 +139,9 @@ class KVTransport(ABC):
     def close_receive(self, transfer_id: str) -> None:
         """Forget a transfer and release its buffers. Idempotent."""
 
+    def authenticate_with(self, secret: bytes) -> None:
+        """Sign what this transport sends and accept only what verifies under the cluster's secret.
+        Transports that never leave the process need nothing."""
+
     def close(self) -> None:
         """Release sockets and buffers."""

@@ -123,7 +123,7 @@ class TorchDistTransport(_ZmqTransport):
             group = self._out_groups[dest] = _Group()
             try:
                 self._peers[dest].socket.send_multipart(
-                    [_encode(HelloHeader("", self.host, store.port))], flags=zmq.NOBLOCK
+                    [_encode(self._signed(HelloHeader("", self.host, store.port)))], flags=zmq.NOBLOCK
                 )
             except zmq.ZMQError as e:
                 raise TransferError(f"cannot reach KV receiver {dest!r}: {e}") from None
@@ -169,6 +169,8 @@ class TorchDistTransport(_ZmqTransport):
     # ---- decode side ---------------------------------------------------------------------------
     def poll_received(self) -> list[KVChunk | KVDone | KVFailed]:
         for identity, header, _ in self._messages():
+            if not self._authentic(header):  # the data comes by the group: the MACs cover headers
+                continue
             if isinstance(header, HelloHeader):
                 old = self._in_groups.get(identity)
                 if old is not None:  # a sender says hello once; a second one replaces its group
@@ -189,6 +191,9 @@ class TorchDistTransport(_ZmqTransport):
                 slot = self._chunk_event(rec, replace_crc(header), [])  # empty until received
                 self._arrivals.append(_Arrival(identity, slot, header.tag))
         return self._ready_arrivals()
+
+    def _mac_data(self, kv: torch.Tensor) -> bytes:
+        return b""  # the data goes by the group, whose peer an authenticated hello named
 
     def _chunk_tensor(self, rec: _In, layer: int, start: int, n: int, payload: list[zmq.Frame]) -> torch.Tensor:
         """Where the chunk's receive will write (posted once the group is up)."""

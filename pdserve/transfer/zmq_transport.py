@@ -34,7 +34,7 @@ import torch
 import zmq
 
 from pdserve.transfer.base import KVAck, KVChunk, KVDone, KVFailed, KVLayout, KVTransport, TransferError
-from pdserve.transfer.wire import AckHeader, ChunkHeader, DoneHeader, HelloHeader, ToReceiver
+from pdserve.transfer.wire import AckHeader, ChunkHeader, DoneHeader, Header, HelloHeader, Signer, ToReceiver
 
 _encode = msgspec.msgpack.Encoder().encode
 _MAX_ERROR = 4096  # characters of an ack's error text (AckHeader's bound)
@@ -91,6 +91,21 @@ class _ZmqTransport(KVTransport):
         self._acks: list[KVAck] = []  # failures found locally, reported with the peers' acks
         self._receiver_decoder = msgspec.msgpack.Decoder(ToReceiver)
         self._ack_decoder = msgspec.msgpack.Decoder(AckHeader)
+        self._signer: Signer | None = None
+
+    def authenticate_with(self, secret: bytes) -> None:
+        """Sign every message sent and drop every message received whose MAC does not verify under this
+        cluster secret (see `wire.Signer`). Call before the first transfer."""
+        self._signer = Signer(secret)
+
+    def _signed(self, header: Header, data: memoryview | bytes = b"") -> Header:
+        return header if self._signer is None else self._signer.sign(header, data)
+
+    def _authentic(self, header: Header, data: memoryview | bytes = b"") -> bool:
+        if self._signer is None or self._signer.verify(header, data):
+            return True
+        self.dropped.drop(f"a {type(header).__name__} for transfer {header.transfer_id!r} whose MAC does not verify")
+        return False
 
     # ---- prefill side --------------------------------------------------------------------------
     def open_send(self, transfer_id: str, dest: str, start: int, end: int) -> None:
@@ -118,12 +133,14 @@ class _ZmqTransport(KVTransport):
             return  # failed or cancelled while the step ran
         extra, frames = self._chunk_data(out, layer, start, kv)
         header = ChunkHeader(transfer_id, layer, start, kv.shape[2], *extra)
+        if self._signer is not None:
+            header = self._signed(header, self._mac_data(kv))
         self._send(out, transfer_id, [_encode(header), *frames])
 
     def send_done(self, transfer_id: str, first_token: int, logprobs: dict[int, float] | None) -> None:
         out = self._out.get(transfer_id)
         if out is not None:
-            self._send(out, transfer_id, [_encode(DoneHeader(transfer_id, first_token, logprobs))])
+            self._send(out, transfer_id, [_encode(self._signed(DoneHeader(transfer_id, first_token, logprobs)))])
 
     def _send(self, out: _Out, transfer_id: str, frames: list[bytes | memoryview]) -> None:
         try:
@@ -150,7 +167,7 @@ class _ZmqTransport(KVTransport):
                 except msgspec.DecodeError as e:  # a peer's garbage is dropped, never raised into the loop
                     self.dropped.drop(e)
                     continue
-                if ack.transfer_id in peer.transfers:
+                if ack.transfer_id in peer.transfers and self._authentic(ack):
                     acks.append(KVAck(ack.transfer_id, ack.ok, ack.error))
         return acks
 
@@ -171,6 +188,8 @@ class _ZmqTransport(KVTransport):
             if isinstance(header, HelloHeader):
                 self.dropped.drop("a torch.distributed hello sent to a transport without process groups")
                 continue
+            if not self._authentic(header, self._received_mac_data(header, payload)):
+                continue  # verified before _accept: a forger must not become the transfer's ack address
             rec = self._accept(identity, header.transfer_id)
             if rec is None:
                 continue
@@ -228,7 +247,7 @@ class _ZmqTransport(KVTransport):
 
     def _reply(self, identity: bytes, transfer_id: str, ok: bool, error: str | None) -> None:
         with contextlib.suppress(zmq.ZMQError):
-            ack = AckHeader(transfer_id, ok, None if error is None else error[:_MAX_ERROR])
+            ack = self._signed(AckHeader(transfer_id, ok, None if error is None else error[:_MAX_ERROR]))
             self._router.send_multipart([identity, _encode(ack)], zmq.NOBLOCK)
 
     def close_receive(self, transfer_id: str) -> None:
@@ -247,6 +266,20 @@ class _ZmqTransport(KVTransport):
     # ---- data path (subclasses) ----------------------------------------------------------------
     def _open_send_data(self, out: _Out, transfer_id: str) -> None:
         pass
+
+    def _mac_data(self, kv: torch.Tensor) -> memoryview | bytes:
+        """The bytes a chunk's MAC covers besides its header: its K/V."""
+        return tensor_bytes(kv)
+
+    def _received_mac_data(self, header: Header, payload: list[zmq.Frame]) -> memoryview | bytes:
+        """The bytes an arrived message's MAC covers besides its header (empty where none can be found:
+        the MAC then fails, unless the message has no data)."""
+        if not isinstance(header, ChunkHeader) or self._signer is None:
+            return b""
+        return self._arrived_data(header, payload)
+
+    def _arrived_data(self, header: ChunkHeader, payload: list[zmq.Frame]) -> memoryview | bytes:
+        return payload[0].buffer if len(payload) == 1 else b""
 
     @abstractmethod
     def _chunk_data(self, out: _Out, layer: int, start: int, kv: torch.Tensor) -> tuple[tuple, list[memoryview]]:
@@ -328,6 +361,15 @@ class ShmTransport(_ZmqTransport):
     def _chunk_tensor(self, rec: _In, layer: int, start: int, n: int, payload: list[zmq.Frame]) -> torch.Tensor:
         assert rec.buffer is not None
         return rec.buffer[layer, :, :, start - rec.start : start - rec.start + n]
+
+    def _arrived_data(self, header: ChunkHeader, payload: list[zmq.Frame]) -> memoryview | bytes:
+        rec = self._in.get(header.transfer_id)
+        lay, start, n = self.layout, header.start, header.num_tokens
+        if rec is None or rec.buffer is None or not (
+            0 <= header.layer < lay.num_layers and rec.start <= start and start + n <= rec.end
+        ):
+            return b""
+        return tensor_bytes(self._chunk_tensor(rec, header.layer, start, n, payload))
 
     def _close_receive_data(self, rec: _In) -> None:
         rec.buffer = None

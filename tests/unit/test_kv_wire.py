@@ -134,3 +134,76 @@ def test_dropped_messages_log_is_rate_limited(caplog):
     assert dropped.count == 101
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and "99 more" in lines[1]
+
+
+def _transfer(sender, receiver, tid: str = "t9") -> list:
+    receiver.open_receive(tid, 0, 4)
+    sender.open_send(tid, receiver.address, 0, 4)
+    kv = torch.arange(2 * 2 * 4 * 4, dtype=torch.float32).view(2, 2, 4, 4)
+    for layer in range(2):
+        sender.send_chunk(tid, layer, 0, kv + layer)
+    sender.send_done(tid, 5, None)
+
+    def received() -> list:
+        sender.poll_acks()
+        return receiver.poll_received()
+
+    return poll_until(received, 3, timeout=5.0)
+
+
+@pytest.mark.parametrize("backend", ["shm", "tcp", "torch.distributed"])
+def test_signed_transfers_pass_and_forgeries_are_dropped(backend):
+    sender, receiver, stranger = make(backend), make(backend), make(backend)
+    for t in (sender, receiver):
+        t.authenticate_with(b"cluster secret")
+    stranger.authenticate_with(b"another secret")
+    ctx = zmq.Context()
+    forger = ctx.socket(zmq.DEALER)
+    forger.setsockopt(zmq.LINGER, 0)
+    try:
+        events = _transfer(sender, receiver)
+        assert sorted(type(e).__name__ for e in events) == ["KVChunk", "KVChunk", "KVDone"]
+        receiver.ack("t9", True)
+        (ack,) = poll_until(sender.poll_acks, 1)
+        assert ack.ok
+
+        # A well-formed first token for an open transfer, unsigned or signed with another secret: dropped.
+        receiver.open_receive("t10", 0, 4)
+        forger.connect(receiver.address)
+        forger.send_multipart([pack(["done", "t10", 666, None])])
+        forger.send_multipart([pack(["done", "t10", 666, None, b"\0" * 32])])
+        before = receiver.dropped.count
+        assert poll_until(receiver.poll_received, 1, timeout=1.0) == []
+        assert receiver.dropped.count == before + 2
+        if backend != "shm":  # (shm: the stranger cannot map a buffer that was never made for it)
+            assert [e for e in _transfer(stranger, receiver, "t11") if isinstance(e, (KVChunk, KVDone))] == []
+    finally:
+        forger.close()
+        ctx.term()
+        for t in (sender, receiver, stranger):
+            t.close()
+
+
+def test_forged_acks_are_dropped():
+    sender = TcpTransport(LAYOUT)
+    sender.authenticate_with(b"cluster secret")
+    ctx = zmq.Context()
+    fake = ctx.socket(zmq.ROUTER)
+    fake.setsockopt(zmq.LINGER, 0)
+    port = fake.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        sender.open_send("t1", f"tcp://127.0.0.1:{port}", 0, 4)
+        sender.send_chunk("t1", 0, 0, torch.zeros(2, 2, 4, 4))
+        assert fake.poll(5000)
+        identity = fake.recv_multipart()[0]
+        fake.send_multipart([identity, pack(["ack", "t1", True, None])])  # "all arrived": a lie
+        fake.send_multipart([identity, pack(["ack", "t1", True, None, b"\1" * 32])])
+        deadline = time.monotonic() + 2
+        while sender.dropped.count < 2 and time.monotonic() < deadline:
+            assert sender.poll_acks() == []
+            time.sleep(0.002)
+        assert sender.dropped.count == 2
+    finally:
+        fake.close()
+        ctx.term()
+        sender.close()
