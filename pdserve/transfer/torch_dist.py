@@ -101,6 +101,7 @@ class _Arrival:
 
 class TorchDistTransport(_ZmqTransport):
     name = "torch.distributed"
+    _drop_failed_peers = False  # its process group is bound to the peer socket's identity
 
     def __init__(
         self, layout: KVLayout, host: str = "127.0.0.1", port: int = 0, device: torch.device | str = "cpu"
@@ -156,6 +157,7 @@ class TorchDistTransport(_ZmqTransport):
                     if transfer_id in self._out:
                         self._fail_send(transfer_id, group.error)
                 group.transfers.clear()
+                group.pending.clear()  # chunks that waited for a group that never came up
             else:
                 self._flush(group)
         return super().poll_acks()

@@ -57,6 +57,8 @@ class _Out:
     start: int
     end: int
     buffer: torch.Tensor | None = None  # shm: the receiver's buffer, mapped here
+    num_queued_bytes: int = 0  # handed to ZMQ for this transfer (it holds them until they are sent)
+    acked_ok: bool = False
 
 
 @dataclass(slots=True)
@@ -72,12 +74,23 @@ class _In:
 class _Peer:
     socket: zmq.Socket
     transfers: set[str] = field(default_factory=set)
+    num_queued_bytes: int = 0  # of its open transfers: what ZMQ may still hold for this peer
+
+
+# Bytes of open transfers that one peer may have queued: ZMQ keeps what it could not send yet (a slow or
+# unreachable peer), so past this a transfer fails instead of memory growing without bound.
+MAX_QUEUED_BYTES = 2 * 2**30
 
 
 class _ZmqTransport(KVTransport):
-    def __init__(self, layout: KVLayout, bind: str, verify: bool) -> None:
+    # Close a peer's socket (dropping whatever ZMQ still queues for it) once its last open transfer ends
+    # without a successful ack; the next transfer to it connects afresh.
+    _drop_failed_peers = True
+
+    def __init__(self, layout: KVLayout, bind: str, verify: bool, max_queued_bytes: int = MAX_QUEUED_BYTES) -> None:
         super().__init__(layout)
         self.verify = verify
+        self.max_queued_bytes = max_queued_bytes
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -143,10 +156,22 @@ class _ZmqTransport(KVTransport):
             self._send(out, transfer_id, [_encode(self._signed(DoneHeader(transfer_id, first_token, logprobs)))])
 
     def _send(self, out: _Out, transfer_id: str, frames: list[bytes | memoryview]) -> None:
+        peer = self._peers[out.dest]
+        size = sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
+        if peer.num_queued_bytes + size > self.max_queued_bytes:
+            self._fail_send(
+                transfer_id,
+                f"the KV send queue to {out.dest} is full ({peer.num_queued_bytes} bytes of open transfers, "
+                f"limit {self.max_queued_bytes}): the decode instance is too slow or unreachable",
+            )
+            return
         try:
-            self._peers[out.dest].socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=len(frames) == 1)
+            peer.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=len(frames) == 1)
         except zmq.ZMQError as e:
             self._fail_send(transfer_id, f"sending KV failed: {e}")
+            return
+        out.num_queued_bytes += size
+        peer.num_queued_bytes += size
 
     def _fail_send(self, transfer_id: str, error: str) -> None:
         self._acks.append(KVAck(transfer_id, False, error))
@@ -169,12 +194,21 @@ class _ZmqTransport(KVTransport):
                     continue
                 if ack.transfer_id in peer.transfers and self._authentic(ack):
                     acks.append(KVAck(ack.transfer_id, ack.ok, ack.error))
+                    out = self._out.get(ack.transfer_id)
+                    if out is not None:
+                        out.acked_ok = ack.ok
         return acks
 
     def close_send(self, transfer_id: str) -> None:
         out = self._out.pop(transfer_id, None)
-        if out is not None:
-            self._peers[out.dest].transfers.discard(transfer_id)
+        if out is None:
+            return
+        peer = self._peers[out.dest]
+        peer.transfers.discard(transfer_id)
+        peer.num_queued_bytes -= out.num_queued_bytes
+        if self._drop_failed_peers and not out.acked_ok and not peer.transfers:
+            peer.socket.close(0)  # frees what ZMQ still queued for a peer that did not take it
+            del self._peers[out.dest]
 
     # ---- decode side ---------------------------------------------------------------------------
     def open_receive(self, transfer_id: str, start: int, end: int) -> None:

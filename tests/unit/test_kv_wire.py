@@ -207,3 +207,23 @@ def test_forged_acks_are_dropped():
         fake.close()
         ctx.term()
         sender.close()
+
+
+def test_a_full_send_queue_fails_the_transfer_and_frees_the_peer():
+    from pdserve.server.launcher import free_port
+
+    sender = TcpTransport(LAYOUT)
+    sender.max_queued_bytes = 10_000  # a chunk here is 256 bytes of data
+    dest = f"tcp://127.0.0.1:{free_port()}"  # nobody listens: ZMQ would queue for good
+    try:
+        sender.open_send("t1", dest, 0, 4)
+        for _ in range(100):
+            sender.send_chunk("t1", 0, 0, torch.zeros(2, 2, 4, 4))
+        (ack,) = sender.poll_acks()
+        assert ack.transfer_id == "t1" and not ack.ok and "queue" in ack.error
+        assert dest not in sender._peers  # its socket, and what ZMQ queued in it, are gone
+        sender.open_send("t2", dest, 0, 4)  # a later transfer to the same peer starts afresh
+        sender.send_chunk("t2", 0, 0, torch.zeros(2, 2, 4, 4))
+        assert sender.poll_acks() == []
+    finally:
+        sender.close()
