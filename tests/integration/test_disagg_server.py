@@ -3,8 +3,8 @@
 
 - Greedy output through 1P1D equals colocated output on every backend (shm, tcp, torch.distributed).
 - `pdserve serve --disagg 1p1d` brings a working cluster up in one command.
-- Faults: kill -9 a decode instance mid-stream and mid-transfer, a prefill instance mid-prefill, abort
-  100 streams at random moments. After each: every client got an answer or an error within a bound,
+- Faults, on every backend and with non-streaming requests beside the streams: kill -9 a decode instance
+  mid-stream and mid-transfer, a prefill instance mid-prefill; and abort 100 streams at random moments. After each: every client got an answer or an error within a bound,
   block usage is back to zero on every surviving instance, and the router keeps serving.
 """
 
@@ -186,6 +186,22 @@ def test_abort_100_streams_at_random_moments():
         c.close()
 
 
+async def _whole(url: str, prompt: str, max_tokens: int) -> str:
+    """One non-streaming completion: "ok", or "http <status>" for an error answer (never a 200 that
+    carries an error: a failure after the decode side's reservation is a 5xx too)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=60) as client:
+        try:
+            r = await client.post(url + "/v1/completions", json=body)
+        except httpx.HTTPError as e:
+            return f"{type(e).__name__}"
+    if r.status_code == 200:
+        assert "error" not in r.json() and r.json()["choices"][0]["text"], r.text
+        return "ok"
+    assert "error" in r.json(), r.text
+    return f"http {r.status_code}"
+
+
 def _kill(s: ServerProcess) -> None:
     """kill -9 the instance: its HTTP front and its engine core."""
     for pid in s.engine_pids() + [s.pid]:
@@ -197,15 +213,21 @@ def _kill(s: ServerProcess) -> None:
     s.proc.wait(10)
 
 
-def test_kill_decode_mid_stream_and_mid_transfer():
-    c = Cluster("shm", num_prefill=1, num_decode=2)
+BACKENDS = ["shm", "tcp", "torch.distributed"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kill_decode_mid_stream_and_mid_transfer(backend):
+    c = Cluster(backend, num_prefill=1, num_decode=2)
     try:
-        # Mid-stream: a long generation on some decode instance; kill whichever holds it.
+        # Mid-stream: a long generation on some decode instance, and a whole (non-streaming) one beside it;
+        # kill whichever decode instance holds a request.
         async def one() -> str:
             return await _stream_until_cut(c.url, PROMPTS[1], 400, None)
 
-        async def kill_busy_decode() -> str:
+        async def kill_busy_decode() -> tuple[str, str]:
             task = asyncio.ensure_future(one())
+            whole = asyncio.ensure_future(_whole(c.url, PROMPTS[0], 300))
             busy = None
             for _ in range(200):
                 await asyncio.sleep(0.05)
@@ -215,10 +237,13 @@ def test_kill_decode_mid_stream_and_mid_transfer():
                     break
             assert busy is not None
             _kill(busy)
-            return await asyncio.wait_for(task, 30)
+            return await asyncio.wait_for(task, 30), await asyncio.wait_for(whole, 30)
 
         t0 = time.monotonic()
-        assert asyncio.run(kill_busy_decode()) in ("error event", "closed")
+        streamed, whole = asyncio.run(kill_busy_decode())
+        assert streamed in ("error event", "closed", "done"), streamed  # done: it was on the other one
+        assert whole in ("ok", "http 502", "http 500"), whole
+        assert not (streamed == "done" and whole == "ok")  # the killed instance held one of them at least
         assert time.monotonic() - t0 < 30
         survivor = next(d for d in c.decodes if d.proc is not None and d.proc.poll() is None)
         # Mid-transfer: freeze the surviving decode instance after it reserved blocks, then kill it. The
@@ -238,21 +263,23 @@ def test_kill_decode_mid_stream_and_mid_transfer():
         c.close()
 
 
-def test_kill_prefill_mid_prefill_router_retries_on_the_other():
-    c = Cluster("shm", num_prefill=2, num_decode=1)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kill_prefill_mid_prefill_router_retries_on_the_other(backend):
+    c = Cluster(backend, num_prefill=2, num_decode=1)
     try:
         victim = c.prefills[0]
         os.kill(victim.engine_pids()[0], signal.SIGSTOP)  # requests sent to it now hang mid-prefill
 
         async def run() -> list[str]:
-            tasks = [asyncio.ensure_future(_stream_until_cut(c.url, p, 8, None)) for p in PROMPTS * 2]
+            tasks = [asyncio.ensure_future(_stream_until_cut(c.url, p, 8, None)) for p in PROMPTS]
+            tasks += [asyncio.ensure_future(_whole(c.url, p, 8)) for p in PROMPTS]  # and whole ones
             await asyncio.sleep(1.0)
             _kill(victim)
             return await asyncio.wait_for(asyncio.gather(*tasks), 40)
 
         ends = asyncio.run(run())
-        assert all(e in ("done", "http 500", "http 502", "error event") for e in ends), ends
-        assert ends.count("done") >= len(ends) // 2
+        assert all(e in ("done", "ok", "http 500", "http 502", "error event") for e in ends), ends
+        assert sum(e in ("done", "ok") for e in ends) >= len(ends) // 2
         c.assert_idle()
         assert completion(c.url, PROMPTS[2])  # the other prefill instance keeps serving
     finally:
