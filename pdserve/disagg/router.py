@@ -28,7 +28,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import anyio
 import httpx
@@ -114,32 +114,37 @@ class RouterConfig:
             raise ValueError(f"max_connections must be >= 2, got {self.max_connections}")
 
 
+# What instances answer is decoded into these typed, bounded structs; one that does not decode is
+# dropped (the last good /load stays; a bad reservation fails the attempt) and counted in /metrics.
+_NonNegative = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
+
+
 class TransferTotals(msgspec.Struct):
     """One direction's finished KV transfers on an instance (cumulative since it started)."""
 
-    ok: int = 0
-    failed: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
+    ok: _NonNegative = 0
+    failed: _NonNegative = 0
+    bytes: _NonNegative = 0
+    seconds: Annotated[float, msgspec.Meta(ge=0)] = 0.0
 
 
 class LoadReport(msgspec.Struct):
     """An instance's `GET /load` body."""
 
-    role: str
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    kv_transfers: dict[str, TransferTotals] = {}
+    role: Annotated[str, msgspec.Meta(max_length=16)]
+    num_running: _NonNegative
+    num_waiting: _NonNegative
+    kv_cache_usage: Annotated[float, msgspec.Meta(ge=0, le=1)]
+    kv_transfers: Annotated[dict[str, TransferTotals], msgspec.Meta(max_length=2)] = {}
 
 
 class KVReservation(msgspec.Struct):
     """The decode instance's `x-pdserve-kv-reservation` header: where the prefill instance sends the KV."""
 
-    transfer_id: str
-    address: str
-    backend: str
-    skip_tokens: int
+    transfer_id: Annotated[str, msgspec.Meta(pattern=r"^[0-9A-Za-z_-]{1,64}$")]
+    address: Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+    backend: Annotated[str, msgspec.Meta(max_length=32)]
+    skip_tokens: _NonNegative
 
 
 # ---- metrics -------------------------------------------------------------------------------------
@@ -160,6 +165,14 @@ class RouterMetrics:
             registry=r,
         )
         self.requests = {outcome: requests.labels(outcome) for outcome in OUTCOMES}
+        dropped = Counter(
+            "pdserve:router_dropped_messages",
+            "Instance answers dropped because they did not decode: load (GET /load bodies), kv_reservation "
+            "(reservation headers; the attempt fails).",
+            ["kind"],
+            registry=r,
+        )
+        self.dropped = {kind: dropped.labels(kind) for kind in ("load", "kv_reservation")}
         self.retries = Counter(
             "pdserve:router_retries", "Attempts retried on another prefill/decode pair.", registry=r
         )
@@ -454,6 +467,7 @@ class _Exchange:
             try:
                 reservation = msgspec.json.decode(header, type=KVReservation)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                self.router.metrics.dropped["kv_reservation"].inc()
                 problem = f"an invalid {KV_RESERVATION_HEADER} header ({e}): {header[:200]}"
             else:
                 if reservation.transfer_id != self.transfer_id:
@@ -624,7 +638,11 @@ class Router:
             resp.raise_for_status()
             load = msgspec.json.decode(resp.content, type=LoadReport)
         except (httpx.HTTPError, msgspec.DecodeError, msgspec.ValidationError) as e:
-            logger.debug("GET %s/load failed: %s", inst.url, e)
+            if isinstance(e, msgspec.DecodeError):  # ValidationError is one
+                self.metrics.dropped["load"].inc()
+                logger.warning("dropped a malformed GET %s/load answer: %s", inst.url, e)
+            else:
+                logger.debug("GET %s/load failed: %s", inst.url, e)
             return
         if load.role not in (inst.role, "both") and load.role != inst.reported_role:
             logger.warning(

@@ -135,6 +135,8 @@ class FakeInstance(UvicornThread):
 
         @app.get("/load")
         async def load() -> Response:
+            if self.mode == "bad_load":
+                return JSONResponse({"role": self.role, "num_running": -5, "num_waiting": 2**70, "kv_cache_usage": 7})
             return JSONResponse(
                 {"role": self.role, "num_running": 0, "num_waiting": 0, "kv_cache_usage": self.kv_usage}
             )
@@ -182,7 +184,7 @@ class FakeInstance(UvicornThread):
                 "transfer_id": transfer_id,
                 "address": self.address,
                 "backend": "shm",
-                "skip_tokens": 3,
+                "skip_tokens": -3 if self.mode == "bad_header" else 3,
             }
             headers[KV_RESERVATION_HEADER] = json.dumps(reservation)
         stream = rec.body.get("stream") is True
@@ -506,6 +508,19 @@ def test_missing_reservation_is_an_error(fakes):
         assert KV_RESERVATION_HEADER in r.json()["error"]["message"]
         assert p.received == []
         assert wait_for(d.received[0].disconnected.is_set)
+
+
+def test_malformed_instance_answers_are_dropped_and_counted(fakes):
+    p, d = fakes["p1"], fakes["d1"]
+    d.mode = "bad_header"
+    with run_router([p], [d], max_retries=0) as (url, _), client() as c:
+        r = c.post(url + "/v1/completions", json=COMPLETION)
+        assert r.status_code == 502 and r.json()["error"]["code"] == "bad_kv_reservation"
+        assert p.received == []
+        d.mode = "bad_load"
+        assert wait_for(lambda: scrape(url).get(("pdserve:router_dropped_messages_total", (("kind", "load"),)), 0) >= 1)
+        metrics = scrape(url)
+        assert metrics[("pdserve:router_dropped_messages_total", (("kind", "kv_reservation"),))] == 1
 
 
 def test_empty_decode_stream_ends_the_response(fakes):
