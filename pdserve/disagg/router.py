@@ -896,7 +896,7 @@ def serve_router(config: RouterConfig) -> None:
     uv = uvicorn.Config(
         app, host=config.host, port=config.port, log_level="info", access_log=config.access_log, lifespan="on",
         timeout_keep_alive=KEEP_ALIVE_S, limit_concurrency=config.max_client_connections,
-        http=guarded_h11(config.header_timeout_s), h11_max_incomplete_event_size=64 * 1024,
+        http=guarded_h11(config.header_timeout_s),
     )
     try:
         uvicorn.Server(uv).run()

@@ -791,7 +791,6 @@ def serve(config: ServerConfig) -> None:
         timeout_keep_alive=KEEP_ALIVE_S,
         limit_concurrency=config.max_connections,  # beyond it: 503 at once, not a growing backlog
         http=guarded_h11(config.header_timeout_s),
-        h11_max_incomplete_event_size=64 * 1024,  # request line and headers
         lifespan="on",
     )
     try:
