@@ -73,7 +73,7 @@ _encode = msgspec.msgpack.Encoder().encode
 class Signer:
     """MACs of a cluster's KV messages: HMAC-SHA256 under a key of its own for each transfer (derived from
     the cluster secret and the transfer id, which the router draws at random: the per-transfer nonce), over
-    the header (its `mac` empty) and the chunk's data. Without the secret no one can write KV or a first
+    the header (its `mac` empty) and the chunk's data where it travels on the socket (`tcp`). Without the secret no one can write KV or a first
     token into a transfer, ack one, or make a receiver join a process group."""
 
     def __init__(self, secret: bytes) -> None:
