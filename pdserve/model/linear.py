@@ -210,6 +210,24 @@ def _pass_builder(
     return pass_for
 
 
+@torch.inference_mode()
+def measure_linears(
+    weights: Mapping[str, Sequence[torch.Tensor]],
+    buckets: Sequence[int] = ROW_BUCKETS,
+    kernels: Mapping[str, Callable[[torch.Tensor], PackedLinear]] | None = None,
+    repeats: int = 5,
+    give_up: float = 2.0,
+    timer: autotune.Timer = time.perf_counter,
+) -> TuneTable:
+    """Seconds per full pass of each op with each kernel at each bucket's row count (`autotune.tune`;
+    `give_up=math.inf` times every kernel everywhere, for a complete A/B table)."""
+    kernels = available_kernels() if kernels is None else kernels
+    return autotune.tune(
+        list(kernels), lambda c: _pass_builder(weights, c, kernels[c]), list(weights), buckets,
+        repeats=repeats, timer=timer, give_up=give_up,
+    )
+
+
 def pack_cpu_linears(
     weights: Mapping[str, Sequence[torch.Tensor]],
     kind: str = "auto",
@@ -257,10 +275,7 @@ def pack_cpu_linears(
     hit = table is not None
     if table is None:
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            table = autotune.tune(
-                candidates, lambda c: _pass_builder(weights, c, kernels[c]), list(weights), buckets, timer=timer
-            )
+        table = measure_linears(weights, buckets, {c: kernels[c] for c in candidates}, timer=timer)
         logger.info("bf16 linear kernels measured in %.1f s", time.perf_counter() - t0)
         if path:
             autotune.save_cached(path, key, table)

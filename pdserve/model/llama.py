@@ -123,13 +123,18 @@ class LlamaModel(nn.Module):
             raise ValueError(f"unknown linear kernel {kind!r}; choose from {LINEAR_KINDS}")
         if self.embed.device.type != "cpu" or self.embed.dtype != torch.bfloat16 or kind == "torch":
             return False
-        weights = {name: [getattr(layer, name) for layer in self.layers] for name in LlamaLayer.PROJECTIONS}
-        weights["lm_head"] = [self.lm_head]
+        weights = self.linear_weights()
         self.linear_plan = pack_cpu_linears(weights, kind, batch_invariant=batch_invariant, cache_dir=cache_dir)
         for i, layer in enumerate(self.layers):
             layer.packed = {name: self.linear_plan.packed[name][i] for name in LlamaLayer.PROJECTIONS}
         self.packed_lm_head = self.linear_plan.packed["lm_head"][0]
         return True
+
+    def linear_weights(self) -> dict[str, list[torch.Tensor]]:
+        """Every projection's weight by op, one per layer, and the output head: what a kernel packs."""
+        weights = {name: [getattr(layer, name) for layer in self.layers] for name in LlamaLayer.PROJECTIONS}
+        weights["lm_head"] = [self.lm_head]
+        return weights
 
     def use_fused_cpu_ops(self) -> bool:
         """Switch the elementwise steps to the fused C++ ops when that is the fast path (CPU, 16-bit) and
