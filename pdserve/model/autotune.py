@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 logger = logging.getLogger(__name__)
 
 ROW_BUCKETS: tuple[int, ...] = (1, 4, 8, 16, 32, 64, 128, 256, 512)
+NOISY = 2.0  # a table measured with a larger spread is used but not cached (the next start measures again)
 DECODE_ROWS = 64  # buckets up to this many rows count as decode-sized (the batch-invariant pick)
 CACHE_VERSION = 1  # bump when the table's meaning changes: old files then miss
 
@@ -48,6 +49,7 @@ class TuneTable:
     seconds: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # op -> candidate -> per bucket
     order: tuple[str, ...] = ()  # candidates in preference order (ties go to the earlier one)
     pinned: str | None = None
+    noise: float = 1.0  # worst median/best spread of a timed pass: > NOISY means the machine was busy
 
     def winners(self, op: str) -> list[str]:
         if self.pinned is not None:
@@ -74,6 +76,7 @@ class TuneTable:
             "buckets": list(self.buckets),
             "order": list(self.order),
             "pinned": self.pinned,
+            "noise": self.noise,
             "seconds": {op: {c: [enc(v) for v in ts] for c, ts in t.items()} for op, t in self.seconds.items()},
         }
 
@@ -87,6 +90,7 @@ class TuneTable:
             seconds={op: {c: [dec(v) for v in ts] for c, ts in t.items()} for op, t in d["seconds"].items()},
             order=tuple(d["order"]),
             pinned=d["pinned"],
+            noise=float(d.get("noise", 1.0)),
         )
 
 
@@ -114,24 +118,42 @@ def pick_one(table: TuneTable, allowed: Sequence[str], decode_rows: int = DECODE
     return min(names, key=lambda c: (cost(c), names.index(c)))
 
 
-def time_pass(calls: Pass, repeats: int, timer: Timer) -> dict[str, float]:
-    """Seconds per op over one pass: each call timed on its own, the best of `repeats` passes taken per
-    call, summed per op; after one untimed pass that warms the allocator, the thread pool and lazy
-    initialisation (oneDNN builds a primitive per new shape). The best per call, not per pass: on a
-    shared machine a descheduled thread stalls one call of one pass by milliseconds, and a minimum over
-    passes drops it while still seeing each weight as cold as a real step does."""
+def time_calls(calls: Pass, repeats: int, timer: Timer) -> list[list[float]]:
+    """Seconds of each call in each of `repeats` passes, after one untimed pass that warms the
+    allocator, the thread pool and lazy initialisation (oneDNN builds a primitive per new shape)."""
     for _, call in calls:
         call()
-    best = [math.inf] * len(calls)
+    out = []
     for _ in range(repeats):
-        for j, (_, call) in enumerate(calls):
+        times = []
+        for _, call in calls:
             t0 = timer()
             call()
-            best[j] = min(best[j], timer() - t0)
-    out: dict[str, float] = {}
-    for (op, _), s in zip(calls, best):
-        out[op] = out.get(op, 0.0) + s
+            times.append(timer() - t0)
+        out.append(times)
     return out
+
+
+def time_pass(calls: Pass, repeats: int, timer: Timer) -> dict[str, float]:
+    """Seconds per op over one pass: the best of `repeats` passes taken per call, summed per op. The
+    best per call, not per pass: on a shared machine a descheduled thread stalls one call of one pass
+    by milliseconds, and a minimum over passes drops it while still seeing each weight as cold as a
+    real step does."""
+    return per_op(calls, time_calls(calls, repeats, timer))[0]
+
+
+def per_op(calls: Pass, times: list[list[float]]) -> tuple[dict[str, float], float]:
+    """(best seconds per op, how disturbed the passes were): the second is the pass's summed median per
+    call over its summed best per call; near 1 on a quiet machine, several when other processes held
+    the cores through most passes (then even the best is suspect)."""
+    best: dict[str, float] = {}
+    total_best = total_median = 0.0
+    for j, (op, _) in enumerate(calls):
+        ts = sorted(t[j] for t in times)
+        best[op] = best.get(op, 0.0) + ts[0]
+        total_best += ts[0]
+        total_median += ts[len(ts) // 2]
+    return best, (total_median / total_best if total_best > 0 else 1.0)
 
 
 def drop_spikes(times: Sequence[float], ratio: float = 1.5) -> list[float]:
@@ -161,15 +183,20 @@ def tune(
     copy of the weights exists at a time. A candidate that is `give_up` times slower than the best
     already timed on every op at two buckets in a row is not timed at larger ones (its time only grows
     relative to a compute-bound kernel's), which keeps a first start short. An op missing from a
-    candidate's pass (it cannot run that shape) counts as inf."""
+    candidate's pass (it cannot run that shape) counts as inf. The table's `noise` is the worst
+    median-over-best spread of any pass (`per_op`)."""
     n = len(buckets)
     seconds: dict[str, dict[str, list[float]]] = {op: {} for op in ops}
+    noise = 1.0
     for name in candidates:
         pass_for = prepare(name)
         row = {op: [math.inf] * n for op in ops}
         behind = 0
         for i, rows in enumerate(buckets):
-            for op, s in time_pass(pass_for(rows), repeats, timer).items():
+            calls = pass_for(rows)
+            best, spread = per_op(calls, time_calls(calls, repeats, timer))
+            noise = max(noise, spread)
+            for op, s in best.items():
                 row[op][i] = s
             best_other = {op: min((t[i] for t in seconds[op].values()), default=math.inf) for op in ops}
             slow = all(row[op][i] >= give_up * best_other[op] for op in ops)
@@ -179,7 +206,7 @@ def tune(
         del pass_for
         for op in ops:
             seconds[op][name] = drop_spikes(row[op])
-    return TuneTable(tuple(buckets), seconds, tuple(candidates))
+    return TuneTable(tuple(buckets), seconds, tuple(candidates), noise=noise)
 
 
 # --- the on-disk cache ----------------------------------------------------------------------------

@@ -164,7 +164,8 @@ class LinearPlan:
         if self.cache_hit:
             src = f"cached {self.cache}"
         else:
-            src = f"measured, saved to {self.cache}" if self.cache else "measured"
+            saved = self.cache and self.table.noise <= autotune.NOISY
+            src = f"measured, saved to {self.cache}" if saved else "measured, not cached"
         pin = f", pinned to {self.table.pinned} (batch-invariant)" if self.table.pinned else ""
         table = autotune.format_table(self.table)
         return f"bf16 linear kernels by row count ({src}{pin}); ms per full pass:\n{table}"
@@ -277,7 +278,10 @@ def pack_cpu_linears(
         t0 = time.perf_counter()
         table = measure_linears(weights, buckets, {c: kernels[c] for c in candidates}, timer=timer)
         logger.info("bf16 linear kernels measured in %.1f s", time.perf_counter() - t0)
-        if path:
+        if table.noise > autotune.NOISY:
+            logger.warning("the machine looked busy while timing the linear kernels (median %.1fx the best); "
+                           "using the choice for this run only, not caching it", table.noise)
+        elif path:
             autotune.save_cached(path, key, table)
     if batch_invariant:
         table.pinned = autotune.pick_one(table, candidates)

@@ -170,3 +170,17 @@ def test_engine_keeps_the_plan(tiny_weights, tmp_path):
     assert len(out[0].outputs[0].token_ids) > 0
     fp32 = LLM(dtype="float32", device="cpu", model_config=TINY, weights=tiny_weights, num_blocks=32, block_size=4)
     assert fp32.engine.model.linear_plan is None
+
+
+def test_a_busy_measurement_is_used_but_not_cached(tmp_path):
+    clock = FakeClock()
+    n = {"calls": 0}
+
+    def stalled(name: str, rows: int) -> float:
+        n["calls"] += 1
+        return small_rows_to_torch(name, rows) * (1 if n["calls"] % 5 == 0 else 20)
+
+    plan = pack_cpu_linears(weights(), "auto", buckets=BUCKETS, timer=clock, cache_dir=str(tmp_path),
+                            kernels=fake_kernels(clock, stalled))
+    assert plan.table.noise > 2 and "not cached" in plan.describe()
+    assert list(tmp_path.iterdir()) == []

@@ -160,3 +160,26 @@ def test_unreadable_cache_is_a_miss(tmp_path):
 def test_cpu_info():
     name, flags = autotune.cpu_info()
     assert name and list(flags) == sorted(flags)
+
+
+def test_spread_flags_a_busy_machine():
+    calls = [("a", lambda: None), ("b", lambda: None)]
+    quiet = [[1.0, 2.0], [1.1, 2.0], [1.0, 2.2]]
+    best, spread = autotune.per_op(calls, quiet)
+    assert best == {"a": 1.0, "b": 2.0} and spread == pytest.approx(1.0)
+    busy = [[1.0, 2.0], [5.0, 9.0], [6.0, 8.0]]  # most passes slowed
+    assert autotune.per_op(calls, busy)[1] > autotune.NOISY
+
+
+def test_tune_records_noise():
+    clock = FakeClock()
+    n = {"calls": 0}
+
+    def cost(rows: int) -> float:
+        n["calls"] += 1
+        return 1e-3 * (1 if n["calls"] % 4 == 0 else 10)  # three calls of four stalled: the median is slow
+
+    table = tune(["x"], fake_prepare(clock, {"x": {"op": cost}}), ["op"], buckets=(1, 2), timer=clock)
+    assert table.noise > autotune.NOISY
+    quiet = tune(["x"], fake_prepare(clock, {"x": {"op": lambda r: 1e-3}}), ["op"], buckets=(1, 2), timer=clock)
+    assert quiet.noise == pytest.approx(1.0)
