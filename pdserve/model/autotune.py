@@ -203,7 +203,7 @@ def tune(
             behind = behind + 1 if slow else 0
             if behind >= 2:
                 break
-        del pass_for
+        del pass_for, calls  # the candidate's packed weights go before the next is built
         for op in ops:
             seconds[op][name] = drop_spikes(row[op])
     return TuneTable(tuple(buckets), seconds, tuple(candidates), noise=noise)
