@@ -8,7 +8,8 @@
    and through pdserve, in this run, as a ratio.
 3. Prefill and decode tokens/s at batch 1, 8, 32, 64 with the fraction of this machine's measured
    roof: matmul FLOP/s for prefill, memory bandwidth for decode at batch 1.
-Prints tables and writes JSON (`--out`).
+Prints the bf16 linear kernel table in use (`--linear-kernel auto`: measured per row count on this host,
+or read from its cache), tables, and writes JSON (`--out`) naming the host (CPU, flags, threads, torch).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import time
 
@@ -24,7 +24,7 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.bench.datasets import SampleRequest, sample_sharegpt
-from pdserve.bench.machine import measure_machine
+from pdserve.bench.machine import cpu_flags, cpu_name, measure_machine
 
 
 def run_pdserve(llm: LLM, reqs: list[SampleRequest]) -> dict:
@@ -147,18 +147,27 @@ def main() -> None:
     ap.add_argument("--skip-phases", action="store_true")
     ap.add_argument("--no-fused-ops", action="store_true", help="plain torch elementwise ops (A/B of model/ops.py)")
     ap.add_argument("--linear-kernel", default="auto", help="auto | pdserve | onednn | torch (A/B of model/linear.py)")
+    ap.add_argument("--batch-invariant", action="store_true", help="one row-independent kernel for all row counts")
+    ap.add_argument("--kernel-cache-dir", default=None, help="measured kernel choices (default ~/.cache/pdserve; '' none)")
     ap.add_argument("--out", default="results/offline_throughput.json")
     args = ap.parse_args()
 
     llm = LLM(model=args.model, dtype=args.dtype, scheduler=args.scheduler, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=args.kv_cache_memory_gb,
-              fused_cpu_ops=not args.no_fused_ops, linear_kernel=args.linear_kernel)
+              fused_cpu_ops=not args.no_fused_ops, linear_kernel=args.linear_kernel,
+              batch_invariant=args.batch_invariant, kernel_cache_dir=args.kernel_cache_dir)
+    plan = llm.engine.model.linear_plan
+    print(plan.describe() if plan is not None else "bf16 linear kernels: none packed (plain F.linear)")
     tok = llm.engine.tokenizer
     reqs = sample_sharegpt(tok, args.num_prompts, seed=args.seed)
     llm.generate([r.prompt for r in reqs[:8]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     result: dict = {
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                    "torch": torch.__version__},
+        "machine": {"cpu": cpu_name(), "flags": [f for f, on in cpu_flags().items() if on],
+                    "threads": torch.get_num_threads(), "torch": torch.__version__},
+        "linear_kernels": None if plan is None else {
+            "kind": plan.kind, "cache": plan.cache, "cache_hit": plan.cache_hit,
+            "table": None if plan.table is None else plan.table.to_json(),
+        },
         "config": vars(args),
     }
     print(f"ShareGPT: {len(reqs)} requests, {sum(r.prompt_len for r in reqs)} input / "

@@ -61,7 +61,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-fused-ops", action="store_true",
                    help="bf16 on CPU: keep the layer's elementwise steps as plain torch ops")
     g.add_argument("--linear-kernel", default="auto", choices=["auto", "pdserve", "onednn", "torch"],
-                   help="bf16 on CPU: the projections' matmul (auto: pdserve's kernel where it builds)")
+                   help="bf16 on CPU: the projections' matmul (auto: the fastest per row count, measured "
+                   "at first start on this host and cached)")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="bf16 on CPU: one row-independent matmul kernel for every row count, so greedy "
+                   "output does not depend on the batch (slower prompts and large batches)")
+    g.add_argument("--kernel-cache-dir", default=None,
+                   help="where measured kernel choices are kept (default: ~/.cache/pdserve/autotune; '' for none)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -121,6 +127,8 @@ def engine_config(args: argparse.Namespace, num_threads: int | None = None):  # 
         attention_backend=args.attention_backend,
         fused_cpu_ops=not args.no_fused_ops,
         linear_kernel=args.linear_kernel,
+        batch_invariant=args.batch_invariant,
+        kernel_cache_dir=args.kernel_cache_dir,
         seed=args.seed,
         cache=CacheConfig(
             args.block_size, None, args.kv_cache_memory_gb, not args.no_prefix_caching, args.swap_space

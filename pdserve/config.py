@@ -3,6 +3,7 @@ piece they need. This module and `cli.py` are the only places that read the envi
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 
@@ -142,7 +143,27 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | torch-compiled | cpu-paged (auto: see LLMEngine)
     fused_cpu_ops: bool = True  # bf16 on CPU: the layer's elementwise steps as fused C++ calls (model/ops.py)
     linear_kernel: str = "auto"  # bf16 on CPU: auto | pdserve | onednn | torch (model/linear.py)
+    # auto picks the fastest kernel per row count, so a row's rounding can change with the batch around
+    # it; batch_invariant pins one row-independent kernel instead (slower for prompts and big batches).
+    batch_invariant: bool = False
+    kernel_cache_dir: str | None = None  # measured kernel choices (model/autotune.py); None: the default, "": none
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     seed: int = 0
+
+    @property
+    def autotune_dir(self) -> str | None:
+        """The directory for measured kernel choices, or None to measure at every start."""
+        if self.kernel_cache_dir is None:
+            return os.path.join(default_cache_dir(), "autotune")
+        return self.kernel_cache_dir or None
+
+
+def default_cache_dir() -> str:
+    """Where pdserve keeps what it measured about this host (kernel choices): $PDSERVE_CACHE_DIR, else
+    $XDG_CACHE_HOME/pdserve, else ~/.cache/pdserve."""
+    if os.environ.get("PDSERVE_CACHE_DIR"):
+        return os.environ["PDSERVE_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "pdserve")

@@ -1,5 +1,6 @@
 """The `pdserve bench` command line: one run (`pdserve bench --base-url URL ...`), a rate sweep
-(`pdserve bench sweep`) and a side-by-side comparison of serving modes (`pdserve bench compare`).
+(`pdserve bench sweep`), a side-by-side comparison of serving modes (`pdserve bench compare`) and the
+host's report (`pdserve bench machine`: flags, bandwidth, matmul roofs, the kernel A/B table).
 
 Only argparse at import time: the benchmark modules (httpx, numpy, matplotlib) load when a command runs.
 """
@@ -53,7 +54,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="write the report (every request's record) to this JSON file")
     add_workload_args(p)
     p.set_defaults(func=cmd_bench)
-    modes = p.add_subparsers(dest="bench_command", metavar="{sweep,compare}")
+    modes = p.add_subparsers(dest="bench_command", metavar="{sweep,compare,machine}")
 
     s = modes.add_parser("sweep", help="the same workload at several request rates against one server")
     s.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
@@ -75,6 +76,20 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--out", default="compare.json", help="JSON report; the CDF figure (PNG) goes beside it")
     add_workload_args(c)
     c.set_defaults(func=cmd_compare)
+
+    m = modes.add_parser(
+        "machine", help="this host's CPU flags, read bandwidth, matmul roofs and the kernel A/B table for a model"
+    )
+    m.add_argument("--model", default=None, help="a .gguf file or Hugging Face directory (default: the bundled model)")
+    m.add_argument("--rows", default=None, help="row counts of the A/B table (default 1,4,8,...,512,2048)")
+    m.add_argument("--repeats", type=int, default=5, help="timed passes per kernel and row count (best per call)")
+    m.add_argument("--seconds", type=float, default=0.5, help="per bandwidth / roof measurement")
+    m.add_argument("--dram-mb", type=int, default=1024, help="buffer for the DRAM read bandwidth (MiB)")
+    m.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
+    m.add_argument("--no-kernels", action="store_true", help="skip the model and the kernel A/B table")
+    m.add_argument("--json", action="store_true", help="print the report as JSON instead of tables")
+    m.add_argument("--out", default=None, help="also write the JSON report to this file")
+    m.set_defaults(func=cmd_machine)
 
 
 def _workload(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -174,4 +189,36 @@ def cmd_compare(args: argparse.Namespace) -> int:
         server_timeout_s=args.server_timeout,
         show_progress=not args.no_progress,
     )
+    return 0
+
+
+def cmd_machine(args: argparse.Namespace) -> int:
+    """Measure and print this host's report; the kernel table uses the model's own projections."""
+    import json
+
+    import torch
+
+    from pdserve.bench.machine import REPORT_ROWS, format_report, machine_report
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    rows = REPORT_ROWS if args.rows is None else tuple(int(r) for r in args.rows.split(",") if r.strip())
+    if not rows or min(rows) < 1:
+        raise ValueError("--rows: comma-separated row counts >= 1")
+    weights, name = None, ""
+    if not args.no_kernels:
+        from pdserve.model.llama import LlamaModel
+        from pdserve.model.loader import load_weights, resolve_model_path
+
+        name = resolve_model_path(args.model)
+        cfg, hf = load_weights(name, torch.float32)
+        model = LlamaModel(cfg)
+        model.load_hf_weights(hf)
+        del hf
+        weights = model.to(torch.bfloat16).linear_weights()
+    report = machine_report(weights, name, rows, args.repeats, args.seconds, args.dram_mb << 20)
+    print(json.dumps(report, indent=1) if args.json else format_report(report))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
     return 0

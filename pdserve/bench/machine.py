@@ -1,19 +1,24 @@
-"""This machine's roofs: peak GEMM throughput per dtype and memory read bandwidth.
+"""This machine's roofs: peak GEMM throughput per dtype and memory read bandwidth; and the report
+`pdserve bench machine` prints (`machine_report`): CPU flags, DRAM and cache-sized read bandwidth, the
+roofs, and the A/B table of the model's own projections under each matmul kernel per row count.
 
 Benchmarks divide what a phase achieves by these to say how close it gets: prefill is judged against
 the GEMM roof, decode against the bandwidth roof. Everything runs on the current
 `torch.get_num_threads()` threads, warmed up first, timed with `time.perf_counter`, and reported as
-the best of a few windows.
+the best of a few windows. A figure measured here names its host by this report.
 """
 
 from __future__ import annotations
 
-import platform
+import math
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+
+from pdserve.model.autotune import cpu_info
 
 
 @dataclass(slots=True)
@@ -67,14 +72,16 @@ def measure_memory_bandwidth(nbytes: int = 512 << 20, seconds: float = 0.5) -> f
 
 
 def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_info()[0]
+
+
+# What decides which matmul kernel wins: AVX-512 BF16 dot products (pdserve's kernel) vs AMX tiles (oneDNN).
+RELEVANT_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_flags() -> dict[str, bool]:
+    flags = set(cpu_info()[1])
+    return {f: f in flags for f in RELEVANT_FLAGS}
 
 
 def measure_machine(
@@ -94,3 +101,115 @@ def measure_machine(
         num_threads=torch.get_num_threads(),
         cpu=cpu_name(),
     )
+
+
+REPORT_ROWS = (1, 4, 8, 16, 32, 64, 128, 256, 512, 2048)
+
+
+def kernel_ab(
+    weights: Mapping[str, Sequence[torch.Tensor]],
+    rows: Sequence[int],
+    bf16_roof: float,
+    dram_bandwidth: float,
+    repeats: int = 5,
+    head_ops: Sequence[str] = ("lm_head",),
+) -> dict:
+    """Every kernel timed at every row count on these weights (a complete A/B table, no early stop),
+    the kernel that wins per op and row count, and what the winners reach: the layer projections'
+    FLOP/s against the bf16 matmul roof (a prompt chunk's GEMMs; `head_ops` are left out there, since
+    a prompt step runs the output head on its last rows only), and all weight bytes streamed per
+    second against DRAM bandwidth (a decode step reads every weight once)."""
+    from pdserve.model.linear import measure_linears
+
+    table = measure_linears(weights, rows, repeats=repeats, give_up=math.inf)
+    shape = {op: (int(ws[0].shape[0]), int(ws[0].shape[1]), len(ws)) for op, ws in weights.items()}
+    layer_ops = [op for op in shape if op not in head_ops]
+    macs = sum(shape[op][0] * shape[op][1] * shape[op][2] for op in layer_ops)
+    wbytes = sum(ws[0].element_size() * math.prod(shape[op]) for op, ws in weights.items())
+    chosen = table.chosen_seconds()
+    per_rows = []
+    for i, m in enumerate(table.buckets):
+        winners = {op: table.winners(op)[i] for op in table.seconds}
+        layer_s = sum(table.seconds[op][winners[op]][i] for op in layer_ops)
+        flops = 2.0 * m * macs / layer_s
+        totals = {c: table.total_seconds(c)[i] for c in table.order}
+        per_rows.append({
+            "rows": m,
+            "ms": {c: None if math.isinf(t) else 1e3 * t for c, t in totals.items()},
+            "chosen_ms": 1e3 * chosen[i],
+            "winners": winners,
+            "layer_flops": flops,
+            "fraction_of_bf16_roof": flops / bf16_roof if bf16_roof else None,
+            "weight_bytes_per_s": wbytes / chosen[i],
+            "fraction_of_dram_bandwidth": wbytes / chosen[i] / dram_bandwidth if dram_bandwidth else None,
+        })
+    return {"ops": {op: list(v) for op, v in shape.items()}, "weight_bytes": wbytes, "rows": per_rows,
+            "table": table.to_json()}
+
+
+def machine_report(
+    weights: Mapping[str, Sequence[torch.Tensor]] | None = None,
+    model_name: str = "",
+    rows: Sequence[int] = REPORT_ROWS,
+    repeats: int = 5,
+    seconds: float = 0.5,
+    dram_bytes: int = 1 << 30,
+    cache_bytes: Sequence[int] = (1 << 20, 32 << 20),
+    hidden: int = 576,
+) -> dict:
+    """The host's CPU, flags, read bandwidth at DRAM and cache sizes, fp32/bf16 matmul roofs and, with
+    `weights` (a model's `linear_weights()`), the kernel A/B table. JSON-ready."""
+    limits = measure_machine(("float32", "bfloat16"), hidden, seconds, dram_bytes)
+    cpu, _ = cpu_info()
+    bandwidth = {str(n): measure_memory_bandwidth(n, seconds) for n in cache_bytes}
+    bandwidth[str(dram_bytes)] = limits.memory_bandwidth
+    report = {
+        "cpu": cpu,
+        "flags": cpu_flags(),
+        "threads": limits.num_threads,
+        "torch": torch.__version__,
+        "read_bandwidth": bandwidth,
+        "dram_bandwidth": limits.memory_bandwidth,
+        "matmul_flops": limits.matmul_flops,
+        "model": model_name,
+        "kernels": None,
+    }
+    if weights is not None:
+        report["kernels"] = kernel_ab(weights, rows, limits.matmul_flops["bfloat16"], limits.memory_bandwidth, repeats)
+    return report
+
+
+def format_report(r: Mapping) -> str:
+    def mib(n: str) -> str:
+        return f"{int(n) / (1 << 20):g} MiB"
+
+    flags = " ".join(f for f, on in r["flags"].items() if on) or "(none of the relevant ones)"
+    missing = " ".join(f for f, on in r["flags"].items() if not on)
+    lines = [
+        f"CPU        : {r['cpu']}, {r['threads']} threads, torch {r['torch']}",
+        f"flags      : {flags}" + (f"   (absent: {missing})" if missing else ""),
+        "read BW    : " + ", ".join(f"{v / 1e9:.0f} GB/s at {mib(n)}" for n, v in r["read_bandwidth"].items()),
+        "matmul roof: " + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in r["matmul_flops"].items())
+        + " (2048 x hidden @ hidden x 4*hidden)",
+    ]
+    k = r.get("kernels")
+    if k:
+        ops = list(k["ops"])
+        cands = list(k["table"]["order"])
+        lines.append("")
+        lines.append(f"bf16 projections of {r['model'] or 'the model'}: " + ", ".join(
+            f"{op} {n}x{kk} x{c}" for op, (n, kk, c) in k["ops"].items()) + f"; {k['weight_bytes'] / 1e6:.0f} MB")
+        lines.append("ms per full pass (each weight cold), the winner per op; with the winners: the layer projections'")
+        lines.append("GFLOP/s and % of the bf16 roof (prompt chunks), weights streamed GB/s and % of DRAM BW (decode)")
+        lines.append(f"{'rows':>5} " + " ".join(f"{c:>9}" for c in cands) + f" {'chosen':>9}  "
+                     + " ".join(f"{op:>8}" for op in ops) + f"  {'GFLOP/s':>8} {'%roof':>6} {'GB/s W':>7} {'%BW':>5}")
+        for row in k["rows"]:
+            cells = " ".join(f"{'-':>9}" if row["ms"][c] is None else f"{row['ms'][c]:>9.2f}" for c in cands)
+            picks = " ".join(f"{row['winners'][op]:>8}" for op in ops)
+            roof = row["fraction_of_bf16_roof"]
+            bw = row["fraction_of_dram_bandwidth"]
+            lines.append(
+                f"{row['rows']:>5} {cells} {row['chosen_ms']:>9.2f}  {picks}  {row['layer_flops'] / 1e9:>8.0f} "
+                f"{100 * roof if roof else 0:>5.0f}% {row['weight_bytes_per_s'] / 1e9:>7.1f} {100 * bw if bw else 0:>4.0f}%"
+            )
+    return "\n".join(lines)

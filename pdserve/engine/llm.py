@@ -38,6 +38,8 @@ class LLM:
         attention_backend: str = "auto",
         fused_cpu_ops: bool = True,
         linear_kernel: str = "auto",
+        batch_invariant: bool = False,
+        kernel_cache_dir: str | None = None,
         seed: int = 0,
         model_config: ModelConfig | None = None,
         weights: dict | None = None,
@@ -53,6 +55,8 @@ class LLM:
             attention_backend=attention_backend,
             fused_cpu_ops=fused_cpu_ops,
             linear_kernel=linear_kernel,
+            batch_invariant=batch_invariant,
+            kernel_cache_dir=kernel_cache_dir,
             seed=seed,
             cache=CacheConfig(block_size, num_blocks, kv_cache_memory_gb, enable_prefix_caching, swap_space_gb),
             scheduler=SchedulerConfig(

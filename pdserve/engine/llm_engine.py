@@ -104,7 +104,8 @@ class LLMEngine:
         model.load_hf_weights(weights)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.inv_freq = self.model.inv_freq.float()
-        self.model.prepack_for_cpu(config.linear_kernel)
+        if self.model.prepack_for_cpu(config.linear_kernel, config.batch_invariant, config.autotune_dir):
+            logger.info("%s", self.model.linear_plan.describe())
         if config.fused_cpu_ops:
             self.model.use_fused_cpu_ops()
         del weights

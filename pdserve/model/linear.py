@@ -2,26 +2,39 @@
 
 - `Bf16DotLinear`: pdserve's kernel (`csrc/linear_bf16.cpp`): W packed into 32-column panels of k
   pairs for AVX-512 BF16 dot products, 12-row register tiles, W prefetched 8 KB ahead, rows in blocks
-  that stay in L2. Measured here (2 cores, the 30 layers' projections plus the output head, weights
-  cold): 1.5-2x oneDNN at 1-16 rows, 1.25-1.5x at 24-128, a 2,048-token prompt step 545 ms vs 555-640.
-  A row's result does not depend on the other rows (fixed fp32 accumulation order), so greedy output
-  does not change with the batch around it.
-- `OneDnnLinear`: oneDNN's blocked layout via torch's mkldnn ops (bit-identical to `F.linear`), the
-  fallback where the kernel does not build (no compiler, no AVX-512 BF16).
+  that stay in L2. Fastest at decode-sized row counts where a step streams W from DRAM; it does no AMX,
+  so from a few dozen rows on an AMX host oneDNN is several times faster. A row's result does not
+  depend on the other rows (fixed fp32 accumulation order): the only batch-invariant kernel here.
+- `OneDnnLinear`: oneDNN's blocked layout via torch's mkldnn ops (bit-identical to `F.linear`); on CPUs
+  with AMX it runs AMX tiles (`ONEDNN_VERBOSE=1` shows `brg_matmul:avx512_core_amx`). Its blocking, and
+  so a row's rounding, changes with the row count.
+- `TorchLinear`: plain `F.linear` on the unpacked weight (no extra memory).
 
-`cpu_linear_packer(kind)` picks one; the plain weights stay on the layer (loading, tests), so packing
-costs one more copy of the projection weights.
+`pack_cpu_linears` packs a model's projections: a named kernel for every row count, or ("auto") the
+kernel measured fastest per row bucket on this host (`autotune.py`; cached on disk), dispatched by
+`BucketedLinear` with one bisect on the row count. The plain weights stay on the layer (loading,
+tests), so packing costs one more copy of the projection weights per kernel that wins a bucket.
+
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import math
 import os
-from collections.abc import Callable
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+
+from pdserve.model import autotune
+from pdserve.model.autotune import ROW_BUCKETS, TuneTable
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +42,7 @@ _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "linear_bf16.cpp")
 
 PackedLinear = Callable[[torch.Tensor], torch.Tensor]
 LINEAR_KINDS = ("auto", "pdserve", "onednn", "torch")
+ROW_INDEPENDENT = ("pdserve",)  # kernels whose rows do not depend on the batch (tests/model/test_linear.py)
 
 
 @functools.cache
@@ -65,29 +79,226 @@ class OneDnnLinear:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [None], "")
 
 
+class TorchLinear:
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight  # the layer's own tensor: no copy
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class BucketedLinear:
+    """Several kernels for one weight, chosen by row count: `kernels[i]` serves rows up to `bounds[i]`
+    (the last serves every larger count too). One bisect per call, no timing."""
+
+    __slots__ = ("bounds", "kernels")
+
+    def __init__(self, bounds: Sequence[int], kernels: Sequence[PackedLinear]) -> None:
+        assert len(bounds) == len(kernels) >= 1
+        self.bounds = tuple(bounds)
+        self.kernels = tuple(kernels)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels[min(bisect_left(self.bounds, x.shape[0]), len(self.kernels) - 1)](x)
+
+
+def available_kernels() -> dict[str, Callable[[torch.Tensor], PackedLinear]]:
+    """Name -> packer for each kernel that works on this host, in autotune order: oneDNN first (on an
+    AMX host it bounds the large buckets, which lets the slower kernels stop early), pdserve's, torch."""
+    out: dict[str, Callable[[torch.Tensor], PackedLinear]] = {}
+    if torch.backends.mkldnn.is_available():
+        out["onednn"] = OneDnnLinear
+    try:
+        _kernel()
+        out["pdserve"] = Bf16DotLinear
+    except Exception as e:  # noqa: BLE001 - no compiler or no AVX-512 BF16: the others remain
+        logger.info("pdserve's bf16 linear kernel is unavailable here (%s)", e)
+    out["torch"] = TorchLinear
+    return out
+
+
+def _can_pack(kind: str, weight: torch.Tensor) -> bool:
+    return kind != "pdserve" or weight.shape[1] % 2 == 0  # the kernel reads k in pairs
+
+
 def cpu_linear_packer(kind: str = "auto") -> Callable[[torch.Tensor], PackedLinear] | None:
-    """A function that packs a bf16 [N, K] weight into a `PackedLinear`, or None for plain `F.linear`.
-    "auto": pdserve's kernel where it builds and K is even, else oneDNN where torch has it."""
+    """A function that packs a bf16 [N, K] weight with one named kernel, or None for plain `F.linear`.
+    "auto" here (no measurement) is pdserve's kernel where it builds and K is even, else oneDNN."""
     if kind not in LINEAR_KINDS:
         raise ValueError(f"unknown linear kernel {kind!r}; choose from {LINEAR_KINDS}")
     if kind == "torch":
         return None
-    onednn = OneDnnLinear if torch.backends.mkldnn.is_available() else None
+    kernels = available_kernels()
+    onednn = kernels.get("onednn")
     if kind == "onednn":
         if onednn is None:
             raise ValueError("this torch build has no oneDNN (mkldnn)")
         return onednn
-    try:
-        _kernel()
-    except Exception as e:  # noqa: BLE001 - no compiler or no AVX-512 BF16: fall back
+    if "pdserve" not in kernels:
         if kind == "pdserve":
-            raise ValueError(f"pdserve's bf16 linear kernel is unavailable here: {e}") from e
-        logger.info("bf16 linear kernel unavailable (%s); using oneDNN", e)
+            raise ValueError("pdserve's bf16 linear kernel is unavailable here (no compiler or no AVX-512 BF16)")
         return onednn
 
     def pack(weight: torch.Tensor) -> PackedLinear:
-        if weight.shape[1] % 2 and onednn is not None:
-            return onednn(weight)  # the kernel reads k in pairs
+        if not _can_pack("pdserve", weight) and onednn is not None:
+            return onednn(weight)
         return Bf16DotLinear(weight)
 
     return pack
+
+
+@dataclass(slots=True)
+class LinearPlan:
+    """What `pack_cpu_linears` decided: the packed ops, and the measured table where "auto" measured
+    (None for a named kernel). `cache` is the file it was read from or written to."""
+
+    packed: dict[str, list[PackedLinear]]
+    kind: str
+    table: TuneTable | None = None
+    cache: str | None = None
+    cache_hit: bool = False
+
+    def describe(self) -> str:
+        if self.table is None:
+            return f"bf16 linear kernel: {self.kind} at every row count"
+        if self.cache_hit:
+            src = f"cached {self.cache}"
+        else:
+            saved = self.cache and self.table.noise <= autotune.NOISY
+            src = f"measured, saved to {self.cache}" if saved else "measured, not cached"
+        pin = f", pinned to {self.table.pinned} (batch-invariant)" if self.table.pinned else ""
+        table = autotune.format_table(self.table)
+        return f"bf16 linear kernels by row count ({src}{pin}); ms per full pass:\n{table}"
+
+
+def tune_key(weights: Mapping[str, Sequence[torch.Tensor]], candidates: Sequence[str], buckets: Sequence[int]) -> dict:
+    """What a measured table depends on: the host (CPU model and flags), torch, the thread count, the
+    shapes and how many of each, the candidates, and the source of pdserve's kernel."""
+    cpu, flags = autotune.cpu_info()
+    with open(_SOURCE, "rb") as f:
+        kernel_digest = hashlib.sha256(f.read()).hexdigest()[:16]
+    return {
+        "cpu": cpu,
+        "flags": list(flags),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "dtype": "bfloat16",
+        "ops": {op: [*ws[0].shape, len(ws)] for op, ws in weights.items()},
+        "buckets": list(buckets),
+        "candidates": list(candidates),
+        "pdserve_kernel": kernel_digest,
+    }
+
+
+def _pass_builder(
+    weights: Mapping[str, Sequence[torch.Tensor]], kind: str, pack: Callable[[torch.Tensor], PackedLinear]
+) -> Callable[[int], autotune.Pass]:
+    """Pack every weight with one kernel; `pass_for(rows)` is a forward's calls in layer order, so each
+    weight arrives as cold as in a real step."""
+    packed = {op: [pack(w) for w in ws] for op, ws in weights.items() if _can_pack(kind, ws[0])}
+    gen = torch.Generator().manual_seed(0)
+
+    def pass_for(rows: int) -> autotune.Pass:
+        xs = {op: torch.randn(rows, ws[0].shape[1], generator=gen).bfloat16() for op, ws in weights.items()}
+        depth = max(len(ws) for ws in packed.values()) if packed else 0
+        calls = []
+        for i in range(depth):
+            for op, ps in packed.items():
+                if i < len(ps):
+                    calls.append((op, functools.partial(ps[i], xs[op])))
+        return calls
+
+    return pass_for
+
+
+@torch.inference_mode()
+def measure_linears(
+    weights: Mapping[str, Sequence[torch.Tensor]],
+    buckets: Sequence[int] = ROW_BUCKETS,
+    kernels: Mapping[str, Callable[[torch.Tensor], PackedLinear]] | None = None,
+    repeats: int = 5,
+    give_up: float = 2.0,
+    timer: autotune.Timer = time.perf_counter,
+) -> TuneTable:
+    """Seconds per full pass of each op with each kernel at each bucket's row count (`autotune.tune`;
+    `give_up=math.inf` times every kernel everywhere, for a complete A/B table)."""
+    kernels = available_kernels() if kernels is None else kernels
+    return autotune.tune(
+        list(kernels), lambda c: _pass_builder(weights, c, kernels[c]), list(weights), buckets,
+        repeats=repeats, timer=timer, give_up=give_up,
+    )
+
+
+def pack_cpu_linears(
+    weights: Mapping[str, Sequence[torch.Tensor]],
+    kind: str = "auto",
+    *,
+    batch_invariant: bool = False,
+    cache_dir: str | None = None,
+    buckets: Sequence[int] = ROW_BUCKETS,
+    timer: autotune.Timer = time.perf_counter,
+    kernels: Mapping[str, Callable[[torch.Tensor], PackedLinear]] | None = None,
+) -> LinearPlan:
+    """Pack bf16 [N, K] weights, grouped by op (e.g. {"qkv": [30 layers' weights], "lm_head": [...]}).
+
+    A named `kind` packs that kernel for every row count. "auto" times each available kernel on these
+    weights at `buckets` rows (`autotune.tune`), or reads the table cached in `cache_dir` for the same
+    host, torch, threads and shapes (None: no cache), and packs per op only the kernels that win a
+    bucket. `batch_invariant` pins one row-independent kernel (pdserve's) for every row count; where
+    none builds, the kernel fastest at decode-sized buckets, with a warning that rows may then depend on
+    the batch. `timer` and `kernels` (name -> packer, default `available_kernels()`) are for tests."""
+    if kind not in LINEAR_KINDS:
+        raise ValueError(f"unknown linear kernel {kind!r}; choose from {LINEAR_KINDS}")
+    kernels = dict(available_kernels() if kernels is None else kernels)
+    if kind != "auto":
+        if kind not in kernels:
+            raise ValueError(f"the {kind!r} linear kernel is unavailable here; available: {sorted(kernels)}")
+        pack = kernels[kind]
+        fallback = kernels.get("onednn", TorchLinear)
+        packed = {op: [pack(w) if _can_pack(kind, w) else fallback(w) for w in ws] for op, ws in weights.items()}
+        return LinearPlan(packed, kind)
+
+    candidates = list(kernels)
+    if batch_invariant:
+        invariant = [c for c in candidates if c in ROW_INDEPENDENT]
+        if invariant:
+            candidates = invariant
+        else:
+            logger.warning("--batch-invariant: no row-independent linear kernel builds here; pinning the "
+                           "fastest at decode sizes, whose rows may still round differently with the batch")
+    if len(candidates) == 1:
+        pinned = candidates[0]
+        return LinearPlan(pack_cpu_linears(weights, pinned, kernels=kernels).packed, pinned)
+
+    key = tune_key(weights, candidates, buckets)
+    path = autotune.cache_path(cache_dir, "linear", key) if cache_dir else None
+    table = autotune.load_cached(path, key) if path else None
+    hit = table is not None
+    if table is None:
+        t0 = time.perf_counter()
+        table = measure_linears(weights, buckets, {c: kernels[c] for c in candidates}, timer=timer)
+        logger.info("bf16 linear kernels measured in %.1f s", time.perf_counter() - t0)
+        if table.noise > autotune.NOISY:
+            logger.warning("the machine looked busy while timing the linear kernels (median %.1fx the best); "
+                           "using the choice for this run only, not caching it", table.noise)
+        elif path:
+            autotune.save_cached(path, key, table)
+    if batch_invariant:
+        table.pinned = autotune.pick_one(table, candidates)
+
+    packed: dict[str, list[PackedLinear]] = {}
+    for op, ws in weights.items():
+        winners = table.winners(op)
+        runs: list[tuple[int, str]] = []  # (largest row count, kernel) per run of equal winners
+        for b, name in zip(buckets, winners):
+            if runs and runs[-1][1] == name:
+                runs[-1] = (b, name)
+            else:
+                runs.append((b, name))
+        runs[-1] = (math.inf, runs[-1][1])  # type: ignore[assignment]  # the last run serves every larger count
+        ops_packed = []
+        for w in ws:
+            ks = [kernels[name](w) for _, name in runs]
+            ops_packed.append(ks[0] if len(ks) == 1 else BucketedLinear([b for b, _ in runs], ks))
+        packed[op] = ops_packed
+    return LinearPlan(packed, "auto", table, path, hit)

@@ -18,7 +18,7 @@ from torch import nn
 
 from pdserve.attention.base import AttentionBackend, AttentionMetadata
 from pdserve.config import ModelConfig
-from pdserve.model.linear import LINEAR_KINDS, PackedLinear, cpu_linear_packer
+from pdserve.model.linear import LINEAR_KINDS, LinearPlan, PackedLinear, pack_cpu_linears
 from pdserve.model.ops import FusedCpuOps, TorchOps, fused_cpu_ops, rms_norm
 
 
@@ -30,6 +30,8 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.d
 
 
 class LlamaLayer(nn.Module):
+    PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         d, hd = cfg.hidden_size, cfg.head_dim
@@ -90,6 +92,7 @@ class LlamaModel(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.ops: TorchOps | FusedCpuOps = TorchOps()
         self.packed_lm_head: PackedLinear | None = None  # packed copy (CPU, bf16)
+        self.linear_plan: LinearPlan | None = None  # which kernels prepack_for_cpu chose, and why
 
     def forward(
         self,
@@ -110,20 +113,28 @@ class LlamaModel(nn.Module):
                 after_layer(i)
         return x + delta
 
-    def prepack_for_cpu(self, kind: str = "auto") -> bool:
-        """Pack the projections and the output head for a CPU bf16 matmul kernel (`linear.py`; `kind`
-        names one, "auto" picks the fastest that works here); returns whether it did."""
+    def prepack_for_cpu(
+        self, kind: str = "auto", batch_invariant: bool = False, cache_dir: str | None = None
+    ) -> bool:
+        """Pack the projections and the output head for CPU bf16 matmul kernels (`linear.py`; `kind`
+        names one, "auto" measures which is fastest per row count here, cached in `cache_dir`);
+        returns whether it did. The decision is kept in `self.linear_plan`."""
         if kind not in LINEAR_KINDS:
             raise ValueError(f"unknown linear kernel {kind!r}; choose from {LINEAR_KINDS}")
-        if self.embed.device.type != "cpu" or self.embed.dtype != torch.bfloat16:
+        if self.embed.device.type != "cpu" or self.embed.dtype != torch.bfloat16 or kind == "torch":
             return False
-        pack = cpu_linear_packer(kind)
-        if pack is None:
-            return False
-        for layer in self.layers:
-            layer.prepack(pack)
-        self.packed_lm_head = pack(self.lm_head)
+        weights = self.linear_weights()
+        self.linear_plan = pack_cpu_linears(weights, kind, batch_invariant=batch_invariant, cache_dir=cache_dir)
+        for i, layer in enumerate(self.layers):
+            layer.packed = {name: self.linear_plan.packed[name][i] for name in LlamaLayer.PROJECTIONS}
+        self.packed_lm_head = self.linear_plan.packed["lm_head"][0]
         return True
+
+    def linear_weights(self) -> dict[str, list[torch.Tensor]]:
+        """Every projection's weight by op, one per layer, and the output head: what a kernel packs."""
+        weights = {name: [getattr(layer, name) for layer in self.layers] for name in LlamaLayer.PROJECTIONS}
+        weights["lm_head"] = [self.lm_head]
+        return weights
 
     def use_fused_cpu_ops(self) -> bool:
         """Switch the elementwise steps to the fused C++ ops when that is the fast path (CPU, 16-bit) and

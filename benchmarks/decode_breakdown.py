@@ -1,0 +1,119 @@
+"""Where a decode step's time goes: the projections + output head (weight streaming), attention (KV
+reads, including the step's KV write), the fused elementwise ops, and everything else (embedding,
+sampling, batch building, Python), at a few batch sizes of decoding sequences.
+
+    .venv/bin/python benchmarks/decode_breakdown.py [--batches 1,10,80] [--context 300] [--steps 24]
+
+Each component is timed by wrapping its calls in this script only (perf_counter around each call: ~1 us
+each, ~150 calls a step), so the sum slightly overstates the step. Prints the table with the bytes
+each part must read and the GB/s it reaches, next to this host's DRAM read bandwidth; writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+from collections import defaultdict
+
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.bench.machine import cpu_flags, cpu_name, measure_memory_bandwidth
+
+
+class Timed:
+    """A callable that adds its own wall time to `acc[key]`."""
+
+    def __init__(self, fn, acc: dict, key: str) -> None:  # type: ignore[no-untyped-def]
+        self.fn, self.acc, self.key = fn, acc, key
+
+    def __call__(self, *args):  # type: ignore[no-untyped-def]
+        t0 = time.perf_counter()
+        out = self.fn(*args)
+        self.acc[self.key] += time.perf_counter() - t0
+        return out
+
+
+class TimedMethods:
+    """A proxy whose named methods are timed into `acc[key]`; everything else passes through."""
+
+    def __init__(self, inner, names: tuple[str, ...], acc: dict, key: str) -> None:  # type: ignore[no-untyped-def]
+        self._inner = inner
+        for n in names:
+            setattr(self, n, Timed(getattr(inner, n), acc, key))
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self._inner, name)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--batches", default="1,10,80")
+    ap.add_argument("--context", type=int, default=300, help="prompt tokens per sequence before decoding")
+    ap.add_argument("--steps", type=int, default=24, help="decode steps timed per batch size")
+    ap.add_argument("--linear-kernel", default="auto")
+    ap.add_argument("--out", default="results/decode_breakdown.json")
+    args = ap.parse_args()
+
+    llm = LLM(model=args.model, dtype="bfloat16", linear_kernel=args.linear_kernel, max_num_seqs=256)
+    eng = llm.engine
+    model, cfg = eng.model, eng.model_config
+    acc: dict[str, float] = defaultdict(float)
+    for layer in model.layers:
+        layer.packed = {n: Timed(p, acc, "linears") for n, p in layer.packed.items()}
+    if model.packed_lm_head is not None:
+        model.packed_lm_head = Timed(model.packed_lm_head, acc, "linears")
+    eng.runner.attn = TimedMethods(eng.runner.attn, ("forward",), acc, "attention")
+    model.ops = TimedMethods(model.ops, ("add_rms_norm", "rope_qkv", "silu_mul"), acc, "elementwise")
+
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.layers.parameters()) + model.lm_head.numel() * 2
+    dram = measure_memory_bandwidth(1 << 30, 0.5)
+    print(f"host: {cpu_name()}, {torch.get_num_threads()} threads, "
+          f"{' '.join(f for f, on in cpu_flags().items() if on)}; DRAM read {dram / 1e9:.0f} GB/s")
+    plan = model.linear_plan
+    print(plan.describe() if plan is not None else "linears: plain F.linear")
+    rng = random.Random(0)
+    rows = []
+    for b in [int(x) for x in args.batches.split(",")]:
+        eng.block_manager.reset_prefix_cache()
+        for _ in range(b):
+            prompt = [rng.randrange(100, cfg.vocab_size) for _ in range(args.context)]
+            eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=args.steps + 3, ignore_eos=True))
+        while eng.scheduler.waiting or any(r.is_prefill for r in eng.scheduler.running):
+            eng.step()
+        eng.step()  # warm the decode shape
+        acc.clear()
+        t0 = time.perf_counter()
+        n = 0
+        while n < args.steps and eng.has_unfinished_requests():
+            eng.step()
+            n += 1
+        step = (time.perf_counter() - t0) / n
+        parts = {k: acc[k] / n for k in ("linears", "attention", "elementwise")}
+        while eng.has_unfinished_requests():
+            eng.step()
+        parts["other"] = step - sum(parts.values())
+        kv_bytes = b * (args.context + 2 + args.steps / 2) * cfg.kv_bytes_per_token
+        rows.append({"batch": b, "step_ms": 1e3 * step, **{f"{k}_ms": 1e3 * v for k, v in parts.items()},
+                     "weight_gb_per_s": weight_bytes / parts["linears"] / 1e9,
+                     "kv_gb_per_s": kv_bytes / parts["attention"] / 1e9, "kv_mb_per_step": kv_bytes / 1e6})
+    print(f"weights {weight_bytes / 1e6:.0f} MB per step; context {args.context} tokens per sequence")
+    print(f"{'batch':>5} {'step ms':>8} {'linears':>8} {'W GB/s':>7} {'attn':>7} {'KV MB':>6} {'KV GB/s':>8} "
+          f"{'elemwise':>8} {'other':>7}")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['step_ms']:>8.1f} {r['linears_ms']:>8.1f} {r['weight_gb_per_s']:>7.1f} "
+              f"{r['attention_ms']:>7.1f} {r['kv_mb_per_step']:>6.0f} {r['kv_gb_per_s']:>8.1f} "
+              f"{r['elementwise_ms']:>8.1f} {r['other_ms']:>7.1f}")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"host": {"cpu": cpu_name(), "flags": cpu_flags(), "dram_bandwidth": dram,
+                            "threads": torch.get_num_threads()}, "rows": rows}, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
