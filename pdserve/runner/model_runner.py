@@ -1,4 +1,5 @@
-"""Turns a scheduled step into tensors, runs the model and samples.
+"""Turns a scheduled step into tensors, runs the model and samples: the engine loop's `Executor`
+(`pdserve.engine.executor`) on the real model, with its `KVCache` for swaps.
 
 Layout of a step (flat, no padding between requests): first every request with a single query token
 (decodes), then the prompt chunks. All index tensors (positions, slot mapping, decode slot table, masks)
@@ -10,11 +11,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from pdserve.attention.base import AttentionBackend, AttentionMetadata, DecodeGroup, PrefillSeq
+from pdserve.batch import ModelOutput
 from pdserve.kv.cache import KVCache
 from pdserve.model.llama import LlamaModel
 from pdserve.request import Request
@@ -22,13 +23,7 @@ from pdserve.runner.sampler import Sampler, SamplingMetadata
 from pdserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
 
-@dataclass(slots=True)
-class ModelOutput:
-    """One entry per sampling request, in the order of `SchedulerOutput.scheduled`."""
-
-    token_ids: list[int]
-    logprobs: list[dict[int, float] | None]
-    forward_time: float  # seconds spent in the model and sampler
+__all__ = ["ModelOutput", "ModelRunner"]
 
 
 class ModelRunner:
@@ -43,6 +38,10 @@ class ModelRunner:
         self.vocab_size = model.cfg.vocab_size
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self._generators: dict[str, torch.Generator] = {}  # req_id -> generator of a seeded request
+
+    def apply_swaps(self, swap_in: list[tuple[int, int]], swap_out: list[tuple[int, int]]) -> None:
+        """Copy blocks between the host tier and the device: every swap-in, then every swap-out."""
+        self.kv_cache.swap(swap_in, swap_out)
 
     def release(self, req_id: str) -> None:
         """Forget per-request state (called when a request finishes)."""

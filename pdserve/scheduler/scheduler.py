@@ -26,16 +26,16 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from pdserve.batch import ModelOutput
 from pdserve.config import SchedulerConfig
 from pdserve.errors import SLORejectedError
 from pdserve.kv.block_manager import BlockManager, HostBlockPool
 from pdserve.request import FinishReason, Request, RequestStatus
 from pdserve.scheduler.policies import Policy, StepPlan
 from pdserve.scheduler.step_model import StepTimeModel
-
 
 
 @dataclass(slots=True)
@@ -74,11 +74,16 @@ class Scheduler:
         block_manager: BlockManager,
         policy: Policy,
         host_pool: HostBlockPool | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`host_pool`: the host tier's blocks, required when `config.preemption_mode` is "swap"."""
+        """`host_pool`: the host tier's blocks, required when `config.preemption_mode` is "swap".
+        `clock`: where request time stamps come from (the clock of `Request.arrival_time`; a simulator
+        passes its simulated one)."""
         if config.preemption_mode == "swap" and host_pool is None:
             raise ValueError('preemption_mode "swap" needs a host tier (swap space > 0)')
         self.config = config
+        self.clock = clock
         self.block_manager = block_manager
         self.policy = policy
         self.host_pool = host_pool if config.preemption_mode == "swap" else None
@@ -157,14 +162,20 @@ class Scheduler:
             reserved.append(req)
         return reserved
 
-    def kv_received(self, req_id: str, first_token: int) -> Request | None:
-        """Every layer's KV of the prompt and its first token arrived: the request decodes from here on
-        like any other (or finishes at once if that token ends it)."""
+    def kv_received(
+        self, req_id: str, first_token: int, logprobs: dict[int, float] | None = None
+    ) -> Request | None:
+        """Every layer's KV of the prompt and its first token (with its logprobs, if the request asked)
+        arrived: the request decodes from here on like any other (or finishes at once if that token ends
+        it)."""
         req = self.receiving.pop(req_id, None)
         if req is None:
             return None
         req.num_computed_tokens = req.num_prompt_tokens
         req.output_token_ids.append(first_token)
+        req.first_token_time = self.clock()
+        if req.params.logprobs is not None and logprobs is not None:
+            req.logprobs = [logprobs]
         self.block_manager.cache_full_blocks(req)
         reason, stop_reason = self._check_stop(req, first_token)
         if reason is not None:
@@ -268,7 +279,7 @@ class Scheduler:
             budget = self._admit_waiting(plan, budget, chunk_cap, out)
         if not plan.running_first:
             self._schedule_running(plan, budget, chunk_cap, out)
-        now = time.monotonic()
+        now = self.clock()
         for s in out.scheduled:
             if s.req.first_scheduled_time is None:
                 s.req.first_scheduled_time = now
@@ -381,26 +392,34 @@ class Scheduler:
         bm.free(req)
 
     # ---- after the forward ---------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: Iterable[int]) -> list[Request]:
-        """Advance counters by what ran; append one sampled token per sampling request (in the order
-        of `out.scheduled`); finish requests on EOS, stop token ids, max_tokens or the context length.
-        Returns the requests that got a new token, finished ones included."""
+    def update_from_output(self, out: SchedulerOutput, model_output: ModelOutput) -> list[Request]:
+        """Advance counters by what ran; append each sampling request's token (`model_output` is in the
+        order of the sampling requests of `out.scheduled`) with its logprobs and, for the first, its time
+        stamp; finish requests on EOS, stop token ids, max_tokens or the context length. Returns the
+        requests that got a new token, finished ones included."""
         bm = self.block_manager
-        tokens = iter(sampled)
+        sampled = iter(zip(model_output.token_ids, model_output.logprobs))
+        now = self.clock()
         updated: list[Request] = []
         for s in out.scheduled:
             req = s.req
             samples = s.samples
             if req.is_finished:  # finished while its step was in flight (abort): its blocks are gone
                 if samples:
-                    next(tokens)
+                    next(sampled)
                 continue
             req.num_computed_tokens += s.num_new_tokens
             bm.cache_full_blocks(req)
             if not samples:
                 continue
-            token = next(tokens)
+            token, logprobs = next(sampled)
             req.output_token_ids.append(token)
+            if logprobs is not None:
+                if req.logprobs is None:
+                    req.logprobs = []
+                req.logprobs.append(logprobs)
+            if req.first_token_time is None:
+                req.first_token_time = now
             updated.append(req)
             if req.remote_decode:  # the decode instance checks stops; hold the blocks until it has the KV
                 self.running.remove(req)
@@ -429,7 +448,7 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.stop_reason = stop_reason
-        req.finished_time = time.monotonic()
+        req.finished_time = self.clock()
         self.block_manager.free(req)
         if req.host_block_ids:
             assert self.host_pool is not None

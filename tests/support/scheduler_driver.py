@@ -1,6 +1,6 @@
-"""The scheduler test driver: runs steps like `LLMEngine.step()` over a fake forward that keeps a model
-of what each KV slot holds (device and host tier) and checks the scheduler's output every step. Shared by
-the scheduler and policy tests. Pure Python: no torch.
+"""The scheduler test driver: runs steps like `EngineLoop.step()` over `FakeExecutor` (which keeps a model
+of what each KV slot holds, device and host tier, and fails a step that reads or writes the wrong K/V) and
+checks the scheduler's output every step. Shared by the scheduler and policy tests. Pure Python: no torch.
 """
 
 from __future__ import annotations
@@ -14,6 +14,18 @@ from pdserve.kv.block_manager import BlockManager, HostBlockPool
 from pdserve.request import Request, RequestStatus, SamplingParams
 from pdserve.scheduler.policies import make_policy
 from pdserve.scheduler.scheduler import Scheduler, SchedulerOutput
+from pdserve.sim.fake_executor import FakeExecutor, expected_output, model_token
+
+__all__ = [
+    "EOS",
+    "Driver",
+    "assert_all_freed",
+    "expected_output",
+    "make_req",
+    "make_scheduler",
+    "model_token",
+    "random_arrivals",
+]
 
 EOS = 0
 
@@ -53,31 +65,22 @@ def make_req(
     )
 
 
-def model_token(tokens: list[int]) -> int:
-    """What the fake model samples after `tokens` (0..3; 0 is EOS)."""
-    return (sum(tokens) * 7 + len(tokens)) % 4
-
-
-def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
-    tokens = list(prompt)
-    for _ in range(max_tokens):
-        tokens.append(model_token(tokens))
-    return tokens[len(prompt) :]
-
-
 @dataclass
 class Driver:
-    """Runs steps like `LLMEngine.step()` with a fake forward, checking every step."""
+    """Runs steps like `EngineLoop.step()` over a `FakeExecutor`, checking the scheduler's output every
+    step."""
 
     sched: Scheduler
     sample: Callable[[Request], int] = lambda req: model_token(req.all_token_ids())
-    slots: dict[int, tuple[int, ...]] = field(default_factory=dict)  # slot -> prefix whose K/V it holds
-    host_slots: dict[int, tuple[int, ...]] = field(default_factory=dict)  # the same for the host tier
+    executor: FakeExecutor = field(init=False)
     first_scheduled: list[str] = field(default_factory=list)  # req ids in the order first scheduled
     outputs: list[SchedulerOutput] = field(default_factory=list)
     num_preempted: int = 0
     num_swapped_out: int = 0
     num_swapped_in: int = 0
+
+    def __post_init__(self) -> None:
+        self.executor = FakeExecutor(self.sched.block_manager, self.sample)
 
     def step(self, abort_in_flight: Callable[[SchedulerOutput], None] | None = None) -> SchedulerOutput:
         sched = self.sched
@@ -151,12 +154,11 @@ class Driver:
                 if id(s.req) in was_waiting and left <= cfg.max_num_batched_tokens:
                     assert s.num_new_tokens == left, "prefill-first split a prompt that fits the budget"
 
-        self._swap(out)
-        self._forward(out)
+        self.executor.apply_swaps(out.swap_in, out.swap_out)
+        model_output = self.executor.execute(out)
         if abort_in_flight is not None:
             abort_in_flight(out)
-        sampled = [self.sample(s.req) for s in out.scheduled if s.samples]
-        sched.update_from_output(out, sampled)
+        sched.update_from_output(out, model_output)
         bm.check_invariants(sched.running)
         assert all(not r.block_ids for r in sched.waiting)
         assert all(not r.host_block_ids for r in [*sched.waiting, *sched.running]), "host blocks kept"
@@ -164,32 +166,6 @@ class Driver:
             sched.host_pool.check_invariants([r.host_block_ids for r in sched.swapped])
         self.outputs.append(out)
         return out
-
-    def _swap(self, out: SchedulerOutput) -> None:
-        """What `KVCache.swap` does, on the slot model: swap-ins first, then swap-outs."""
-        bs = self.sched.block_manager.block_size
-        for src_tier, dst_tier, pairs in ((self.host_slots, self.slots, out.swap_in), (self.slots, self.host_slots, out.swap_out)):
-            for src, dst in pairs:
-                for o in range(bs):
-                    content = src_tier.get(src * bs + o)
-                    if content is None:
-                        dst_tier.pop(dst * bs + o, None)
-                    else:
-                        dst_tier[dst * bs + o] = content
-
-    def _forward(self, out: SchedulerOutput) -> None:
-        bm = self.sched.block_manager
-        bs = bm.block_size
-        for s in out.scheduled:
-            r = s.req
-            tokens = r.all_token_ids()
-            for pos in range(r.num_computed_tokens):  # the context attention reads
-                slot = r.block_ids[pos // bs] * bs + pos % bs
-                assert self.slots.get(slot) == tuple(tokens[: pos + 1]), "attention would read foreign K/V"
-            for pos in range(r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens):
-                block = r.block_ids[pos // bs]
-                assert bm.ref_counts[block] == 1 and bm.block_hashes[block] is None, "write to a shared block"
-                self.slots[block * bs + pos % bs] = tuple(tokens[: pos + 1])
 
     def run(self, max_steps: int = 10_000) -> None:
         for _ in range(max_steps):
