@@ -223,7 +223,7 @@ class EngineLoop:
                 logger.exception("step failed; finishing its %d requests with an error", len(sched.scheduled))
                 results += self._fail([s.req for s in sched.scheduled], f"engine step failed: {e}")
                 num_sampling = sum(1 for s in sched.scheduled if s.samples)  # all finished: skipped
-                return ModelOutput([0] * num_sampling, [None] * num_sampling, 0.0), True
+                return ModelOutput([[0]] * num_sampling, [None] * num_sampling, 0.0), True
             logger.exception("step of %d requests failed; running them one at a time", len(sched.scheduled))
             out, failed = self._execute_one_by_one(sched)
             for req, error in failed:
@@ -236,8 +236,9 @@ class EngineLoop:
         counters only move in `update_from_output`, and K/V slots it wrote are rewritten. Returns the
         step's output in scheduler order (a placeholder token for each failed sampling request, which
         `update_from_output` skips once the request is finished) and the failures."""
-        tokens: list[int] = []
-        logprobs: list[dict[int, float] | None] = []
+        tokens: list[list[int]] = []
+        logprobs: list[list[dict[int, float]] | None] = []
+        drafts: list[list[int]] = []
         failed: list[tuple[Request, str]] = []
         forward_time = 0.0
         for s in sched.scheduled:
@@ -247,13 +248,15 @@ class EngineLoop:
                 logger.exception("request %s fails on its own", s.req.req_id)
                 failed.append((s.req, str(e)))
                 if s.samples:
-                    tokens.append(0)
+                    tokens.append([0])
                     logprobs.append(None)
+                    drafts.append([])
                 continue
             forward_time += one.forward_time
             tokens += one.token_ids
             logprobs += one.logprobs
-        return ModelOutput(tokens, logprobs, forward_time), failed
+            drafts += one.spec_token_ids or [[] for _ in one.token_ids]
+        return ModelOutput(tokens, logprobs, forward_time, drafts), failed
 
     def _record(self, sched: SchedulerOutput, out: ModelOutput, start: float) -> None:
         rec = StepRecord(

@@ -7,7 +7,10 @@ policy decides the order in which requests are offered the budget and whether ne
 
 Flow of a request: `add_request` -> waiting -> (admitted: blocks allocated, prefix cache consulted) ->
 running -> `update_from_output` appends sampled tokens and checks token-level stops -> finished (blocks
-freed). When blocks run out, the most recently admitted running request is preempted. With
+freed). With speculative decoding a running request also carries draft tokens: it is scheduled up to
+`num_tokens_with_spec`, and `update_from_output` keeps the accepted ones, rolls `num_computed_tokens`
+back over the rejected ones and frees their slots (`BlockManager.truncate`); only verified tokens are
+ever hashed into the prefix cache. When blocks run out, the most recently admitted running request is preempted. With
 `preemption_mode="recompute"` its blocks are freed and it goes back to the front of the queue to be
 recomputed (its full blocks usually survive in the prefix cache, so recomputation is cheap). With "swap"
 its computed KV is copied to host blocks (`SchedulerOutput.swap_out`) and it waits in `swapped`; at the
@@ -29,7 +32,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from pdserve.batch import ModelOutput
+from pdserve.batch import Batch, BatchRequest, ModelOutput
 from pdserve.config import SchedulerConfig
 from pdserve.errors import SLORejectedError
 from pdserve.kv.block_manager import BlockManager, HostBlockPool
@@ -46,7 +49,12 @@ class ScheduledRequest:
     @property
     def samples(self) -> bool:
         """Whether this step produces the request's next token (all its known tokens are then computed)."""
-        return self.req.num_computed_tokens + self.num_new_tokens == self.req.num_tokens
+        return self.req.num_computed_tokens + self.num_new_tokens >= self.req.num_tokens
+
+    @property
+    def num_spec_tokens(self) -> int:
+        """Draft tokens this step runs (and verifies): those scheduled past the request's known tokens."""
+        return max(0, self.req.num_computed_tokens + self.num_new_tokens - self.req.num_tokens)
 
 
 @dataclass(slots=True)
@@ -65,6 +73,19 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         """Nothing to run (there may still be KV copies to apply)."""
         return not self.scheduled
+
+    def to_batch(self) -> Batch:
+        """A snapshot of what runs this step, for the executor (token ids, positions, block tables)."""
+        requests = []
+        for s in self.scheduled:
+            req, start, num_spec = s.req, s.req.num_computed_tokens, s.num_spec_tokens
+            token_ids = req.token_ids_between(start, start + s.num_new_tokens - num_spec)
+            if num_spec:
+                token_ids = token_ids + req.spec_token_ids[:num_spec]
+            requests.append(
+                BatchRequest(req.req_id, token_ids, start, list(req.block_ids), s.samples, num_spec, req.params)
+            )
+        return Batch(requests, self.num_batched_tokens)
 
 
 class Scheduler:
@@ -294,7 +315,7 @@ class Scheduler:
             if id(req) in scheduled_ids:
                 i += 1
                 continue
-            remaining = req.num_tokens - req.num_computed_tokens
+            remaining = req.num_tokens_with_spec - req.num_computed_tokens
             if not (plan.run_decodes if req.is_decode else plan.run_prefills):
                 i += 1
                 continue
@@ -374,6 +395,7 @@ class Scheduler:
         recompute it later."""
         bm = self.block_manager
         self.running.remove(req)
+        req.spec_token_ids = []  # proposed for a step that will not run; the next ones come after it
         req.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(req)
@@ -393,44 +415,77 @@ class Scheduler:
 
     # ---- after the forward ---------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, model_output: ModelOutput) -> list[Request]:
-        """Advance counters by what ran; append each sampling request's token (`model_output` is in the
-        order of the sampling requests of `out.scheduled`) with its logprobs and, for the first, its time
-        stamp; finish requests on EOS, stop token ids, max_tokens or the context length. Returns the
-        requests that got a new token, finished ones included."""
+        """Advance counters by what ran; append each sampling request's accepted tokens (`model_output`
+        is in the order of the sampling requests of `out.scheduled`) with their logprobs and, for the
+        first, its time stamp; roll back over rejected draft tokens; finish requests on EOS, stop token
+        ids, max_tokens or the context length (tokens accepted past a stop are dropped); take the drafts
+        proposed for the next step. Returns the requests that got new tokens, finished ones included."""
         bm = self.block_manager
-        sampled = iter(zip(model_output.token_ids, model_output.logprobs))
+        spec = model_output.spec_token_ids
+        sampled = iter(zip(model_output.token_ids, model_output.logprobs, spec or [None] * len(model_output.token_ids)))
         now = self.clock()
         updated: list[Request] = []
         for s in out.scheduled:
             req = s.req
-            samples = s.samples
+            samples, num_spec = s.samples, s.num_spec_tokens  # (both read the counters moved below)
             if req.is_finished:  # finished while its step was in flight (abort): its blocks are gone
                 if samples:
                     next(sampled)
                 continue
             req.num_computed_tokens += s.num_new_tokens
-            bm.cache_full_blocks(req)
             if not samples:
+                bm.cache_full_blocks(req)
                 continue
-            token, logprobs = next(sampled)
-            req.output_token_ids.append(token)
-            if logprobs is not None:
-                if req.logprobs is None:
-                    req.logprobs = []
-                req.logprobs.append(logprobs)
+            tokens, logprobs, drafts = next(sampled)
+            assert 1 <= len(tokens) <= num_spec + 1, "a step accepts 1..k+1 tokens with k drafts"
+            # KV of rejected drafts is in the cache but wrong: it is rewritten from here on.
+            req.num_computed_tokens -= num_spec - (len(tokens) - 1)
+            req.spec_token_ids = []
             if req.first_token_time is None:
                 req.first_token_time = now
             updated.append(req)
+            reason, stop_reason = self._append(req, tokens, logprobs)
+            bm.cache_full_blocks(req)  # (only computed tokens: the last accepted one is not)
             if req.remote_decode:  # the decode instance checks stops; hold the blocks until it has the KV
                 self.running.remove(req)
                 req.status = RequestStatus.SENDING_KV
                 self.sending[req.req_id] = req
                 continue
-            reason, stop_reason = self._check_stop(req, token)
             if reason is not None:
                 self.running.remove(req)
                 self._finish(req, reason, stop_reason)
+                continue
+            bm.truncate(req, req.num_tokens)  # slots of rejected drafts
+            if drafts:
+                req.spec_token_ids = drafts[: self._max_spec_tokens(req)]
         return updated
+
+    def _append(
+        self, req: Request, tokens: list[int], logprobs: list[dict[int, float]] | None
+    ) -> tuple[FinishReason | None, str | int | None]:
+        """Append accepted tokens up to the first that stops the request; returns the stop, if any."""
+        reason: FinishReason | None = None
+        stop_reason: int | None = None
+        for i, token in enumerate(tokens):
+            req.output_token_ids.append(token)
+            if logprobs is not None:
+                if req.logprobs is None:
+                    req.logprobs = []
+                req.logprobs.append(logprobs[i])
+            reason, stop_reason = self._check_stop(req, token)
+            if reason is not None:
+                break
+        # Past a stop, accepted drafts' K/V describe tokens the request will never have.
+        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+        return reason, stop_reason
+
+    def _max_spec_tokens(self, req: Request) -> int:
+        """Drafts worth running: a step accepts at most drafts + 1 tokens, and none past max_tokens or the
+        context length."""
+        n = req.params.max_tokens - req.num_output_tokens - 1
+        if req.max_model_len:
+            n = min(n, req.max_model_len - req.num_tokens)
+        return max(0, n)
 
     def _check_stop(self, req: Request, token: int) -> tuple[FinishReason | None, int | None]:
         p = req.params

@@ -71,7 +71,9 @@ class Driver:
     step."""
 
     sched: Scheduler
-    sample: Callable[[Request], int] = lambda req: model_token(req.all_token_ids())
+    sample: Callable[[Request], int] | None = None  # scripted tokens (default: the fake model's)
+    num_spec_tokens: int = 0  # > 0: the fake executor speculates (see `FakeExecutor`)
+    draft: Callable[[list[int]], int] = model_token
     executor: FakeExecutor = field(init=False)
     first_scheduled: list[str] = field(default_factory=list)  # req ids in the order first scheduled
     outputs: list[SchedulerOutput] = field(default_factory=list)
@@ -80,7 +82,9 @@ class Driver:
     num_swapped_in: int = 0
 
     def __post_init__(self) -> None:
-        self.executor = FakeExecutor(self.sched.block_manager, self.sample)
+        self.executor = FakeExecutor(
+            self.sched.block_manager, self.sample, num_spec_tokens=self.num_spec_tokens, draft=self.draft
+        )
 
     def step(self, abort_in_flight: Callable[[SchedulerOutput], None] | None = None) -> SchedulerOutput:
         sched = self.sched
@@ -108,7 +112,7 @@ class Driver:
             r, n = s.req, s.num_new_tokens
             assert n >= 1
             assert r.status is RequestStatus.RUNNING and id(r) in running
-            assert r.num_computed_tokens + n <= r.num_tokens, "scheduled tokens that do not exist yet"
+            assert r.num_computed_tokens + n <= r.num_tokens_with_spec, "scheduled tokens that do not exist yet"
             assert len(r.block_ids) * bm.block_size >= r.num_computed_tokens + n, "no slots for the tokens"
             if not r.is_prefill and r.num_tokens - r.num_computed_tokens == 1:
                 num_decode += n
@@ -138,7 +142,8 @@ class Driver:
         self.num_swapped_in += len(out.swap_in)
 
         if sched.policy.name == "chunked":
-            if len(decoding) <= cfg.max_num_batched_tokens:
+            # (With speculation a decode asks for its token and its drafts: only if all fit, none may starve.)
+            if sum(1 + len(r.spec_token_ids) for r in decoding) <= cfg.max_num_batched_tokens:
                 starved = [r.req_id for r in decoding if id(r) not in scheduled | preempted]
                 assert not starved, f"decodes starved under chunked: {starved}"
             if cfg.chunk_size is not None:
@@ -160,6 +165,17 @@ class Driver:
             abort_in_flight(out)
         sched.update_from_output(out, model_output)
         bm.check_invariants(sched.running)
+        bs = bm.block_size
+        for r in sched.running:
+            # Rejected drafts' slots are given back (BlockManager.truncate) ...
+            assert len(r.block_ids) <= bm.num_blocks_for(r.num_tokens), "blocks held past the sequence"
+            # ... and only verified tokens are hashed: a hashed block holds exactly its tokens' K/V.
+            truth = r.all_token_ids()
+            for i, _ in enumerate(bm._req_hashes.get(r.req_id, ())):
+                for o in range(bs):
+                    pos = i * bs + o
+                    got = self.executor.slots.get(r.block_ids[i] * bs + o)
+                    assert pos < r.num_computed_tokens and got == tuple(truth[: pos + 1]), "unverified K/V hashed"
         assert all(not r.block_ids for r in sched.waiting)
         assert all(not r.host_block_ids for r in [*sched.waiting, *sched.running]), "host blocks kept"
         if sched.host_pool is not None:

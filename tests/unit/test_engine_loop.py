@@ -143,3 +143,33 @@ def test_the_fake_executor_catches_a_read_of_foreign_kv() -> None:
     rb.block_ids[0], ra.block_ids[0] = ra.block_ids[0], rb.block_ids[0]  # corrupt both block tables
     with pytest.raises(KVConsistencyError, match="foreign K/V"):
         executor.execute(loop.scheduler.schedule())
+
+
+def test_steps_that_accept_several_tokens_stream_them_as_one_delta() -> None:
+    """Through the whole loop (outputs and their deltas): an executor speculating 2 tokens per step gives
+    the same tokens and finish reasons as one token per step, in fewer steps, with multi-token deltas."""
+    params = [
+        SamplingParams(max_tokens=7, ignore_eos=True),
+        SamplingParams(max_tokens=12, ignore_eos=False),
+        SamplingParams(max_tokens=9, ignore_eos=True, stop_token_ids=[3]),
+    ]
+    prompts = [[1, 2, 3], [2, 2, 1, 3, 1], [3, 1]]
+    results = []
+    for k in (0, 2):
+        loop, executor, _ = make_loop("chunked")
+        executor.num_spec_tokens = k
+        ids = [loop.add_request(p, sp) for p, sp in zip(prompts, params)]
+        streamed: dict[str, list[int]] = {i: [] for i in ids}
+        finals = {}
+        widest = 0
+        while loop.has_unfinished_requests():
+            for o in loop.step():
+                streamed[o.request_id] += o.outputs[0].new_token_ids
+                widest = max(widest, len(o.outputs[0].new_token_ids))
+                if o.finished:
+                    finals[o.request_id] = o.outputs[0]
+        assert all(streamed[i] == finals[i].token_ids for i in ids)
+        results.append(([(finals[i].token_ids, finals[i].finish_reason) for i in ids], executor.num_steps, widest))
+    (one, steps_one, widest_one), (spec, steps_spec, widest_spec) = results
+    assert spec == one and steps_spec < steps_one
+    assert widest_one == 1 and widest_spec == 3
