@@ -77,13 +77,17 @@ class SchedulerOutput:
     def to_batch(self) -> Batch:
         """A snapshot of what runs this step, for the executor (token ids, positions, block tables)."""
         requests = []
-        for s in self.scheduled:
-            req, start, num_spec = s.req, s.req.num_computed_tokens, s.num_spec_tokens
-            token_ids = req.token_ids_between(start, start + s.num_new_tokens - num_spec)
+        for s in self.scheduled:  # (the properties of ScheduledRequest inlined: this runs every step)
+            req = s.req
+            start = req.num_computed_tokens
+            end = start + s.num_new_tokens
+            known = req.num_tokens
+            num_spec = end - known if end > known else 0
+            token_ids = req.token_ids_between(start, end - num_spec)
             if num_spec:
                 token_ids = token_ids + req.spec_token_ids[:num_spec]
             requests.append(
-                BatchRequest(req.req_id, token_ids, start, list(req.block_ids), s.samples, num_spec, req.params)
+                BatchRequest(req.req_id, token_ids, start, list(req.block_ids), end >= known, num_spec, req.params)
             )
         return Batch(requests, self.num_batched_tokens)
 
