@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -32,7 +33,7 @@ def make_loop(
     clock = ManualClock(100.0)
     config = SchedulerConfig(policy=policy, max_num_batched_tokens=budget)
     bm = BlockManager(num_blocks, block_size)
-    sched = Scheduler(config, bm, make_policy(policy, config), clock=clock)
+    sched = Scheduler(config, bm, make_policy(policy, config, clock=clock), clock=clock)
     executor = FakeExecutor(bm, clock=clock, step_time=step_time)
     loop = EngineLoop(sched, executor, vocab_size=8, max_model_len=64, eos_token_ids=frozenset({EOS}))
     return loop, executor, clock
@@ -173,3 +174,11 @@ def test_steps_that_accept_several_tokens_stream_them_as_one_delta() -> None:
     (one, steps_one, widest_one), (spec, steps_spec, widest_spec) = results
     assert spec == one and steps_spec < steps_one
     assert widest_one == 1 and widest_spec == 3
+
+
+def test_a_policy_that_reads_time_gets_the_schedulers_clock() -> None:
+    clock = ManualClock(5.0)
+    config = SchedulerConfig(policy="slo")
+    policy = make_policy("slo", config, clock=clock)
+    assert policy.clock is clock  # type: ignore[attr-defined]
+    assert make_policy("slo", config).clock is time.monotonic  # type: ignore[attr-defined]
