@@ -212,7 +212,8 @@ class EngineLoop:
 
     def _execute(self, sched: SchedulerOutput, results: list[RequestOutput]) -> tuple[ModelOutput, bool]:
         """Run the step; a failed step fails the requests that cause it, never the engine (their outputs
-        join `results`, already released). Returns the output and whether the step had to be replayed request by request."""
+        join `results`, already released). Returns the output and whether the step had to be replayed
+        request by request."""
         hook = None
         if self.connector is not None:
             hook = self.connector.layer_hook([(s.req, s.num_new_tokens) for s in sched.scheduled])
@@ -243,7 +244,8 @@ class EngineLoop:
         forward_time = 0.0
         for s in sched.scheduled:
             try:
-                one = self.executor.execute(SchedulerOutput(scheduled=[s], num_batched_tokens=s.num_new_tokens))
+                alone = SchedulerOutput(scheduled=[s], num_batched_tokens=s.num_new_tokens)
+                one = self.executor.execute(alone)
             except Exception as e:
                 logger.exception("request %s fails on its own", s.req.req_id)
                 failed.append((s.req, str(e)))
@@ -270,7 +272,9 @@ class EngineLoop:
         )
         self.step_records.append(rec)
         # What the `slo` policy's step-time model learns from.
-        self.scheduler.observe_step(rec.duration, rec.num_prefill_tokens, rec.num_decode_tokens, rec.num_context_tokens)
+        self.scheduler.observe_step(
+            rec.duration, rec.num_prefill_tokens, rec.num_decode_tokens, rec.num_context_tokens
+        )
 
     def _fail(self, reqs: list[Request], message: str) -> list[RequestOutput]:
         results = []

@@ -10,7 +10,9 @@ running -> `update_from_output` appends sampled tokens and checks token-level st
 freed). With speculative decoding a running request also carries draft tokens: it is scheduled up to
 `num_tokens_with_spec`, and `update_from_output` keeps the accepted ones, rolls `num_computed_tokens`
 back over the rejected ones and frees their slots (`BlockManager.truncate`); only verified tokens are
-ever hashed into the prefix cache. When blocks run out, the most recently admitted running request is preempted. With
+ever hashed into the prefix cache.
+
+When blocks run out, the most recently admitted running request is preempted. With
 `preemption_mode="recompute"` its blocks are freed and it goes back to the front of the queue to be
 recomputed (its full blocks usually survive in the prefix cache, so recomputation is cheap). With "swap"
 its computed KV is copied to host blocks (`SchedulerOutput.swap_out`) and it waits in `swapped`; at the
@@ -86,9 +88,8 @@ class SchedulerOutput:
             token_ids = req.token_ids_between(start, end - num_spec)
             if num_spec:
                 token_ids = token_ids + req.spec_token_ids[:num_spec]
-            requests.append(
-                BatchRequest(req.req_id, token_ids, start, list(req.block_ids), end >= known, num_spec, req.params)
-            )
+            block_ids = list(req.block_ids)
+            requests.append(BatchRequest(req.req_id, token_ids, start, block_ids, end >= known, num_spec, req.params))
         return Batch(requests, self.num_batched_tokens)
 
 
@@ -425,8 +426,8 @@ class Scheduler:
         ids, max_tokens or the context length (tokens accepted past a stop are dropped); take the drafts
         proposed for the next step. Returns the requests that got new tokens, finished ones included."""
         bm = self.block_manager
-        spec = model_output.spec_token_ids
-        sampled = iter(zip(model_output.token_ids, model_output.logprobs, spec or [None] * len(model_output.token_ids)))
+        drafts_of = model_output.spec_token_ids or [None] * len(model_output.token_ids)
+        sampled = iter(zip(model_output.token_ids, model_output.logprobs, drafts_of))
         now = self.clock()
         updated: list[Request] = []
         for s in out.scheduled:

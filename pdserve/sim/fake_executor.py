@@ -86,7 +86,10 @@ class FakeExecutor:
     def apply_swaps(self, swap_in: list[tuple[int, int]], swap_out: list[tuple[int, int]]) -> None:
         """What `KVCache.swap` does, on the slot model: swap-ins first, then swap-outs."""
         bs = self.block_manager.block_size
-        for src_tier, dst_tier, pairs in ((self.host_slots, self.slots, swap_in), (self.slots, self.host_slots, swap_out)):
+        for src_tier, dst_tier, pairs in (
+            (self.host_slots, self.slots, swap_in),
+            (self.slots, self.host_slots, swap_out),
+        ):
             for src, dst in pairs:
                 for o in range(bs):
                     content = src_tier.get(src * bs + o)
@@ -104,7 +107,7 @@ class FakeExecutor:
             for pos in range(br.start):  # the context attention reads
                 slot = br.block_ids[pos // bs] * bs + pos % bs
                 if self.slots.get(slot) != tuple(truth[: pos + 1]):
-                    raise KVConsistencyError(f"{br.req_id}: attention would read foreign K/V at position {pos}")
+                    raise KVConsistencyError(f"{br.req_id}: attention would read foreign K/V at {pos}")
             seq = truth[: br.start] + br.token_ids
             if seq[: len(truth)] != truth[: len(seq)]:
                 raise KVConsistencyError(f"{br.req_id}: the batch runs tokens the request does not have")

@@ -103,5 +103,6 @@ def test_cuda_throughput_on_the_largest_model():
     # A figure to read, not a bound to assert (no test asserts a wall-clock time).
     print(
         f"\n{os.path.basename(model)} bf16 on {torch.cuda.get_device_name()}: {num_reqs} requests x "
-        f"{max_tokens} tokens in {elapsed:.2f}s = {num_reqs / elapsed:.2f} req/s, {num_out / elapsed:.0f} output tok/s"
+        f"{max_tokens} tokens in {elapsed:.2f}s = {num_reqs / elapsed:.2f} req/s, "
+        f"{num_out / elapsed:.0f} output tok/s"
     )

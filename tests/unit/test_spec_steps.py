@@ -7,6 +7,7 @@ them into the prefix cache (the driver checks both after every step). Pure Pytho
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -16,6 +17,7 @@ from pdserve.sim.fake_executor import model_token
 from tests.support.scheduler_driver import Driver, assert_all_freed, expected_output, make_req, make_scheduler
 
 POLICIES = ["prefill-first", "chunked"]
+Draft = Callable[[list[int]], int]
 
 
 def lossy_draft(tokens: list[int]) -> int:
@@ -28,7 +30,9 @@ def always_wrong(tokens: list[int]) -> int:
     return (model_token(tokens) + 1) % 4
 
 
-def run_all(sched: Scheduler, reqs: list[Request], *, num_spec_tokens: int = 0, draft=model_token) -> Driver:  # type: ignore[no-untyped-def]
+def run_all(
+    sched: Scheduler, reqs: list[Request], *, num_spec_tokens: int = 0, draft: Draft = model_token
+) -> Driver:
     d = Driver(sched, num_spec_tokens=num_spec_tokens, draft=draft)
     for r in reqs:
         sched.add_request(r)
@@ -56,7 +60,7 @@ def test_perfect_drafts_give_three_tokens_per_step_and_cut_max_tokens_exactly() 
 
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("num_spec_tokens, draft", [(2, model_token), (3, lossy_draft), (2, always_wrong)])
-def test_speculation_changes_no_output(policy: str, num_spec_tokens: int, draft) -> None:  # type: ignore[no-untyped-def]
+def test_speculation_changes_no_output(policy: str, num_spec_tokens: int, draft: Draft) -> None:
     """Seeded workloads with stops (EOS, stop token ids, max_tokens, the context length) landing anywhere
     among a step's accepted tokens, tight caches (preemption drops drafts) and prefix caching."""
     rng = random.Random(99)
@@ -88,7 +92,7 @@ def test_speculation_changes_no_output(policy: str, num_spec_tokens: int, draft)
         assert steps_many < 0.75 * steps_one
 
 
-def stop_at(index: int, num_spec_tokens: int) -> None:
+def stop_at(index: int, num_spec_tokens: int) -> Driver:
     """A stop token id as output token `index`, inside the tokens one step accepts: the request stops
     there and the accepted tokens after it are dropped."""
     prompt = [1, 2, 3, 1]
