@@ -88,8 +88,10 @@ class SchedulerOutput:
             token_ids = req.token_ids_between(start, end - num_spec)
             if num_spec:
                 token_ids = token_ids + req.spec_token_ids[:num_spec]
-            block_ids = list(req.block_ids)
-            requests.append(BatchRequest(req.req_id, token_ids, start, block_ids, end >= known, num_spec, req.params))
+            samples = end >= known
+            requests.append(
+                BatchRequest(req.req_id, token_ids, start, list(req.block_ids), samples, num_spec, req.params)
+            )
         return Batch(requests, self.num_batched_tokens)
 
 
