@@ -9,13 +9,14 @@ without a model (tests, and the simulator that drives the real scheduler). The l
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from pdserve.batch import ModelOutput
 from pdserve.request import Request
 from pdserve.scheduler.scheduler import SchedulerOutput
 
 
+@runtime_checkable
 class Executor(Protocol):
     def execute(self, out: SchedulerOutput, after_layer: Callable[[int], None] | None = None) -> ModelOutput:
         """Run the scheduled tokens: write their K/V and sample one token per sampling request (in the
