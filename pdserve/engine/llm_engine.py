@@ -125,6 +125,15 @@ class LLMEngine(EngineLoop):
             self.kv_cache.nbytes / (1 << 30), num_host_blocks, sc.policy, sc.preemption_mode, attn.name,
         )
 
+    @property
+    def runner(self) -> ModelRunner:
+        """The loop's executor: the model runner (replacing it replaces what runs every step)."""
+        return self.executor  # type: ignore[return-value]
+
+    @runner.setter
+    def runner(self, runner: ModelRunner) -> None:
+        self.executor = runner
+
     def _make_attention(self, name: str) -> AttentionBackend:
         if name != "auto":
             return get_attention_backend(name)

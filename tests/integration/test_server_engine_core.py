@@ -36,6 +36,9 @@ class FailingRunner:
     def release(self, req_id: str) -> None:
         self.runner.release(req_id)
 
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self.runner, name)  # the rest of the executor interface (swaps, draws)
+
 
 @pytest.fixture
 def core(tiny_weights):
