@@ -445,14 +445,15 @@ class Scheduler:
                 continue
             tokens, logprobs, drafts = next(sampled)
             assert 1 <= len(tokens) <= num_spec + 1, "a step accepts 1..k+1 tokens with k drafts"
-            # KV of rejected drafts is in the cache but wrong: it is rewritten from here on.
-            req.num_computed_tokens -= num_spec - (len(tokens) - 1)
             req.spec_token_ids = []
             if req.first_token_time is None:
                 req.first_token_time = now
             updated.append(req)
             reason, stop_reason = self._append(req, tokens, logprobs)
-            bm.cache_full_blocks(req)  # (only computed tokens: the last accepted one is not)
+            # Every token but the last appended is computed. What the step ran past that (the drafts it
+            # rejected, accepted ones after a stop) is rolled back: those slots are rewritten from here on.
+            req.num_computed_tokens = req.num_tokens - 1
+            bm.cache_full_blocks(req)  # after the rollback: never an unverified token
             if req.remote_decode:  # the decode instance checks stops; hold the blocks until it has the KV
                 self.running.remove(req)
                 req.status = RequestStatus.SENDING_KV
@@ -482,8 +483,6 @@ class Scheduler:
             reason, stop_reason = self._check_stop(req, token)
             if reason is not None:
                 break
-        # Past a stop, accepted drafts' K/V describe tokens the request will never have.
-        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
         return reason, stop_reason
 
     def _max_spec_tokens(self, req: Request) -> int:
