@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup test generate bench serve clean
+.PHONY: setup test test-fast generate bench serve clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -15,8 +15,13 @@ $(BIN)/.installed: pyproject.toml
 
 setup: $(BIN)/.installed
 
+# The whole suite, with the 20 slowest tests listed at the end.
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20
+
+# Pure Python and the tiny random model only: no real model, no server processes (a minute or two).
+test-fast: setup
+	$(BIN)/python -m pytest -q --durations=10 -m "not real_model" tests/unit tests/model
 
 generate: setup
 	$(BIN)/pdserve generate "Write a haiku about the sea."

@@ -1,7 +1,9 @@
 """Requests and their sampling parameters.
 
 A request is counters, not phases: it is "in prefill" while `num_computed_tokens` trails the prompt and
-"decoding" once only its latest sampled token is left to compute. The scheduler is the only component
+"decoding" once only its latest sampled token is left to compute. With speculative decoding it also
+carries draft tokens (`spec_token_ids`) proposed for its next step; the scheduler's catch-up target is
+then `num_tokens_with_spec`, and a step accepts 1..k+1 tokens. The scheduler is the only component
 that changes a request's status; the runner only reads requests through the `Batch` it is given.
 """
 
@@ -96,6 +98,8 @@ class Request:
     max_model_len: int = 0  # the sequence stops with LENGTH when it reaches this many tokens (0: no limit)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
+    # Draft tokens proposed for the next step (not part of the sequence until a step verifies them).
+    spec_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache at (last) admission
     block_ids: list[int] = field(default_factory=list)
@@ -122,6 +126,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """What the next step may compute up to: the sequence plus its draft tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

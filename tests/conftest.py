@@ -2,27 +2,22 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
 
 from pdserve import LLM
-from pdserve.config import ModelConfig
 from pdserve.model.llama import random_weights
+from tests.support.tiny import TINY
 
-TINY = ModelConfig(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=160,
-    num_layers=3,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    max_position_embeddings=512,
-    tie_word_embeddings=False,
-    eos_token_ids=(0,),
-)
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Kernel choices measured by the tests' engines go to a per-run directory (inherited by the server
+    # processes they start), not the user's cache: each run measures once and leaves nothing behind.
+    if "PDSERVE_CACHE_DIR" not in os.environ:
+        os.environ["PDSERVE_CACHE_DIR"] = tempfile.mkdtemp(prefix="pdserve-test-cache-")
 
 
 @pytest.fixture(scope="session")
@@ -38,9 +33,3 @@ def make_tiny_llm(tiny_weights):
         return LLM(dtype="float32", device="cpu", model_config=TINY, weights=tiny_weights, **kw)
 
     return make
-
-
-def random_prompts(n: int, lo: int, hi: int, seed: int = 0, vocab: int = TINY.vocab_size) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
-    return [torch.randint(1, vocab, (L,), generator=g).tolist() for L in lens]

@@ -168,6 +168,27 @@ class BlockManager:
         req.block_ids.clear()
         self._req_hashes.pop(req.req_id, None)
 
+    def truncate(self, req: Request, num_tokens: int) -> None:
+        """Shrink `req`'s block table to the blocks `num_tokens` tokens need, freeing the rest: the slots
+        of draft tokens a step rejected (speculative decoding). Nothing unverified was ever hashed
+        (`cache_full_blocks` only sees computed, accepted tokens), so freed blocks go back uncached unless
+        another request's verified tokens made them shared; hashes of dropped blocks are forgotten."""
+        keep = self.num_blocks_for(num_tokens)
+        if keep >= len(req.block_ids):
+            return
+        for b in reversed(req.block_ids[keep:]):
+            self.ref_counts[b] -= 1
+            assert self.ref_counts[b] >= 0, f"block {b} freed twice"
+            if self.ref_counts[b] == 0:
+                if self.block_hashes[b] is None:
+                    heapq.heappush(self._free_uncached, b)
+                else:
+                    self._free_cached[b] = None
+        del req.block_ids[keep:]
+        hashes = self._req_hashes.get(req.req_id)
+        if hashes is not None:
+            del hashes[keep:]
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (e.g. for a fair benchmark run)."""
         for h, b in self._cached.items():

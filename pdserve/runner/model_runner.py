@@ -1,6 +1,9 @@
-"""Turns a scheduled step into tensors, runs the model and samples.
+"""Turns a scheduled step into tensors, runs the model and samples: the engine loop's `Executor`
+(`pdserve.engine.executor`) on the real model, with its `KVCache` for swaps.
 
-Layout of a step (flat, no padding between requests): first every request with a single query token
+The step arrives as a `SchedulerOutput` and is read only through its `Batch` snapshot (token ids,
+start positions, block tables, sampling params), never through live `Request` objects. Layout of a step
+(flat, no padding between requests): first every request with a single query token
 (decodes), then the prompt chunks. All index tensors (positions, slot mapping, decode slot table, masks)
 are built once per step on the host with tensor ops and shared by all layers. Logits are computed only
 for the last token of each request that samples this step.
@@ -10,25 +13,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from pdserve.attention.base import AttentionBackend, AttentionMetadata, DecodeGroup, PrefillSeq
+from pdserve.batch import BatchRequest, ModelOutput
 from pdserve.kv.cache import KVCache
 from pdserve.model.llama import LlamaModel
 from pdserve.request import Request
 from pdserve.runner.sampler import Sampler, SamplingMetadata
-from pdserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+from pdserve.scheduler.scheduler import SchedulerOutput
 
 
-@dataclass(slots=True)
-class ModelOutput:
-    """One entry per sampling request, in the order of `SchedulerOutput.scheduled`."""
-
-    token_ids: list[int]
-    logprobs: list[dict[int, float] | None]
-    forward_time: float  # seconds spent in the model and sampler
+__all__ = ["ModelOutput", "ModelRunner"]
 
 
 class ModelRunner:
@@ -43,6 +40,10 @@ class ModelRunner:
         self.vocab_size = model.cfg.vocab_size
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self._generators: dict[str, torch.Generator] = {}  # req_id -> generator of a seeded request
+
+    def apply_swaps(self, swap_in: list[tuple[int, int]], swap_out: list[tuple[int, int]]) -> None:
+        """Copy blocks between the host tier and the device: every swap-in, then every swap-out."""
+        self.kv_cache.swap(swap_in, swap_out)
 
     def release(self, req_id: str) -> None:
         """Forget per-request state (called when a request finishes)."""
@@ -63,50 +64,52 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, after_layer: Callable[[int], None] | None = None) -> ModelOutput:
         """Run one step. `after_layer(i)` is called once layer i's K/V are in the cache."""
         t0 = time.perf_counter()
+        batch = out.to_batch()
+        # No proposer or verifier here yet: draft tokens come only from executors that verify them.
+        assert not any(r.num_spec_tokens for r in batch.requests), "ModelRunner does not verify draft tokens"
         # Decodes first, by context length (so similar lengths share a padded attention group).
-        scheduled = sorted(out.scheduled, key=_layout_key)
+        scheduled = sorted(batch.requests, key=_layout_key)
         input_ids, positions, meta, last_index = self._prepare(scheduled)
         hidden = self.model(input_ids, positions, self.kv_cache.layers, meta, self.attn, after_layer)
 
         # Sampling rows in scheduler order, so the scheduler can zip them with its own list.
-        flat_pos = {id(s): last_index[j] for j, s in enumerate(scheduled)}
-        sampling = [s for s in out.scheduled if s.samples]
+        flat_pos = {id(r): last_index[j] for j, r in enumerate(scheduled)}
+        sampling = batch.sampling
         if not sampling:
             return ModelOutput([], [], time.perf_counter() - t0)
-        rows = torch.tensor([flat_pos[id(s)] for s in sampling], device=self.device)
+        rows = torch.tensor([flat_pos[id(r)] for r in sampling], device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
-        params = [s.req.params for s in sampling]
+        params = [r.params for r in sampling]
         gens: dict[int, torch.Generator] = {}
-        for row, s in enumerate(sampling):
-            if s.req.params.seed is not None:
-                g = self._generators.get(s.req.req_id)
+        for row, r in enumerate(sampling):
+            if r.params.seed is not None:
+                g = self._generators.get(r.req_id)
                 if g is None:
-                    g = torch.Generator(device=self.device).manual_seed(s.req.params.seed)
-                    self._generators[s.req.req_id] = g
+                    g = torch.Generator(device=self.device).manual_seed(r.params.seed)
+                    self._generators[r.req_id] = g
                 gens[row] = g
         md = SamplingMetadata.from_params(params, gens, self.vocab_size, self.device)
         so = self.sampler(logits, md)
-        token_ids = so.token_ids.tolist()
-        logprobs: list[dict[int, float] | None] = [None] * len(sampling)
+        token_ids = [[t] for t in so.token_ids.tolist()]
+        logprobs: list[list[dict[int, float]] | None] = [None] * len(sampling)
         if so.logprobs is not None and so.logprob_token_ids is not None:
             lp, ids = so.logprobs.tolist(), so.logprob_token_ids.tolist()
             for row, p in enumerate(params):
                 if p.logprobs is not None:
-                    logprobs[row] = dict(zip(ids[row][: p.logprobs + 1], lp[row][: p.logprobs + 1]))
+                    logprobs[row] = [dict(zip(ids[row][: p.logprobs + 1], lp[row][: p.logprobs + 1]))]
         return ModelOutput(token_ids, logprobs, time.perf_counter() - t0)
 
-    def _prepare(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def _prepare(self, scheduled: list[BatchRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
         token_ids: list[int] = []
         starts: list[int] = []
         lens: list[int] = []
         tables: list[list[int]] = []
-        for s in scheduled:
-            req, n, start = s.req, s.num_new_tokens, s.req.num_computed_tokens
-            token_ids.extend(req.token_ids_between(start, start + n))
-            starts.append(start)
-            lens.append(n)
-            tables.append(req.block_ids)
+        for r in scheduled:
+            token_ids.extend(r.token_ids)
+            starts.append(r.start)
+            lens.append(r.num_new_tokens)
+            tables.append(r.block_ids)
 
         num_reqs = len(scheduled)
         lens_t = torch.tensor(lens)
@@ -159,8 +162,8 @@ class ModelRunner:
         return torch.tensor(token_ids, device=dev), positions.to(dev), meta, last_index
 
 
-def _layout_key(s: ScheduledRequest) -> tuple[bool, int]:
-    return (s.num_new_tokens != 1, s.req.num_computed_tokens)
+def _layout_key(r: BatchRequest) -> tuple[bool, int]:
+    return (r.num_new_tokens != 1, r.start)
 
 
 def _decode_groups(context_lens: list[int], max_waste: float = 0.25) -> list[tuple[int, int]]:

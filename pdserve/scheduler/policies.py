@@ -244,18 +244,22 @@ def _arrival(req: Request) -> float:
     return req.arrival_time
 
 
-POLICIES: dict[str, Callable[[SchedulerConfig], Policy]] = {
-    PrefillFirst.name: lambda config: PrefillFirst(),
-    Chunked.name: lambda config: Chunked(),
-    DecodePriority.name: DecodePriority,
+# name -> factory(config, clock); the clock is the scheduler's (a policy that reads time must share it).
+POLICIES: dict[str, Callable[[SchedulerConfig, Callable[[], float]], Policy]] = {
+    PrefillFirst.name: lambda config, clock: PrefillFirst(),
+    Chunked.name: lambda config, clock: Chunked(),
+    DecodePriority.name: lambda config, clock: DecodePriority(config),
     SLOAware.name: SLOAware,
 }
 
 
-def make_policy(name: str, config: SchedulerConfig | None = None) -> Policy:
-    """The policy registered as `name`, configured from `config` (default: `SchedulerConfig` defaults)."""
+def make_policy(
+    name: str, config: SchedulerConfig | None = None, *, clock: Callable[[], float] = time.monotonic
+) -> Policy:
+    """The policy registered as `name`, configured from `config` (default: `SchedulerConfig` defaults).
+    `clock`: the one the scheduler is given (`Request.arrival_time`'s), for policies that read time."""
     try:
         factory = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown scheduler policy {name!r}; choose from {sorted(POLICIES)}") from None
-    return factory(config if config is not None else SchedulerConfig(policy=name))
+    return factory(config if config is not None else SchedulerConfig(policy=name), clock)

@@ -7,7 +7,12 @@ policy decides the order in which requests are offered the budget and whether ne
 
 Flow of a request: `add_request` -> waiting -> (admitted: blocks allocated, prefix cache consulted) ->
 running -> `update_from_output` appends sampled tokens and checks token-level stops -> finished (blocks
-freed). When blocks run out, the most recently admitted running request is preempted. With
+freed). With speculative decoding a running request also carries draft tokens: it is scheduled up to
+`num_tokens_with_spec`, and `update_from_output` keeps the accepted ones, rolls `num_computed_tokens`
+back over the rejected ones and frees their slots (`BlockManager.truncate`); only verified tokens are
+ever hashed into the prefix cache.
+
+When blocks run out, the most recently admitted running request is preempted. With
 `preemption_mode="recompute"` its blocks are freed and it goes back to the front of the queue to be
 recomputed (its full blocks usually survive in the prefix cache, so recomputation is cheap). With "swap"
 its computed KV is copied to host blocks (`SchedulerOutput.swap_out`) and it waits in `swapped`; at the
@@ -26,16 +31,16 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from pdserve.batch import Batch, BatchRequest, ModelOutput
 from pdserve.config import SchedulerConfig
 from pdserve.errors import SLORejectedError
 from pdserve.kv.block_manager import BlockManager, HostBlockPool
 from pdserve.request import FinishReason, Request, RequestStatus
 from pdserve.scheduler.policies import Policy, StepPlan
 from pdserve.scheduler.step_model import StepTimeModel
-
 
 
 @dataclass(slots=True)
@@ -46,7 +51,12 @@ class ScheduledRequest:
     @property
     def samples(self) -> bool:
         """Whether this step produces the request's next token (all its known tokens are then computed)."""
-        return self.req.num_computed_tokens + self.num_new_tokens == self.req.num_tokens
+        return self.req.num_computed_tokens + self.num_new_tokens >= self.req.num_tokens
+
+    @property
+    def num_spec_tokens(self) -> int:
+        """Draft tokens this step runs (and verifies): those scheduled past the request's known tokens."""
+        return max(0, self.req.num_computed_tokens + self.num_new_tokens - self.req.num_tokens)
 
 
 @dataclass(slots=True)
@@ -66,6 +76,24 @@ class SchedulerOutput:
         """Nothing to run (there may still be KV copies to apply)."""
         return not self.scheduled
 
+    def to_batch(self) -> Batch:
+        """A snapshot of what runs this step, for the executor (token ids, positions, block tables)."""
+        requests = []
+        for s in self.scheduled:  # (the properties of ScheduledRequest inlined: this runs every step)
+            req = s.req
+            start = req.num_computed_tokens
+            end = start + s.num_new_tokens
+            known = req.num_tokens
+            num_spec = end - known if end > known else 0
+            token_ids = req.token_ids_between(start, end - num_spec)
+            if num_spec:
+                token_ids = token_ids + req.spec_token_ids[:num_spec]
+            samples = end >= known
+            requests.append(
+                BatchRequest(req.req_id, token_ids, start, list(req.block_ids), samples, num_spec, req.params)
+            )
+        return Batch(requests, self.num_batched_tokens)
+
 
 class Scheduler:
     def __init__(
@@ -74,11 +102,16 @@ class Scheduler:
         block_manager: BlockManager,
         policy: Policy,
         host_pool: HostBlockPool | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`host_pool`: the host tier's blocks, required when `config.preemption_mode` is "swap"."""
+        """`host_pool`: the host tier's blocks, required when `config.preemption_mode` is "swap".
+        `clock`: where request time stamps come from (the clock of `Request.arrival_time`; a simulator
+        passes its simulated one)."""
         if config.preemption_mode == "swap" and host_pool is None:
             raise ValueError('preemption_mode "swap" needs a host tier (swap space > 0)')
         self.config = config
+        self.clock = clock
         self.block_manager = block_manager
         self.policy = policy
         self.host_pool = host_pool if config.preemption_mode == "swap" else None
@@ -157,14 +190,20 @@ class Scheduler:
             reserved.append(req)
         return reserved
 
-    def kv_received(self, req_id: str, first_token: int) -> Request | None:
-        """Every layer's KV of the prompt and its first token arrived: the request decodes from here on
-        like any other (or finishes at once if that token ends it)."""
+    def kv_received(
+        self, req_id: str, first_token: int, logprobs: dict[int, float] | None = None
+    ) -> Request | None:
+        """Every layer's KV of the prompt and its first token (with its logprobs, if the request asked)
+        arrived: the request decodes from here on like any other (or finishes at once if that token ends
+        it)."""
         req = self.receiving.pop(req_id, None)
         if req is None:
             return None
         req.num_computed_tokens = req.num_prompt_tokens
         req.output_token_ids.append(first_token)
+        req.first_token_time = self.clock()
+        if req.params.logprobs is not None and logprobs is not None:
+            req.logprobs = [logprobs]
         self.block_manager.cache_full_blocks(req)
         reason, stop_reason = self._check_stop(req, first_token)
         if reason is not None:
@@ -268,7 +307,7 @@ class Scheduler:
             budget = self._admit_waiting(plan, budget, chunk_cap, out)
         if not plan.running_first:
             self._schedule_running(plan, budget, chunk_cap, out)
-        now = time.monotonic()
+        now = self.clock()
         for s in out.scheduled:
             if s.req.first_scheduled_time is None:
                 s.req.first_scheduled_time = now
@@ -283,7 +322,7 @@ class Scheduler:
             if id(req) in scheduled_ids:
                 i += 1
                 continue
-            remaining = req.num_tokens - req.num_computed_tokens
+            remaining = req.num_tokens_with_spec - req.num_computed_tokens
             if not (plan.run_decodes if req.is_decode else plan.run_prefills):
                 i += 1
                 continue
@@ -363,6 +402,7 @@ class Scheduler:
         recompute it later."""
         bm = self.block_manager
         self.running.remove(req)
+        req.spec_token_ids = []  # proposed for a step that will not run; the next ones come after it
         req.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(req)
@@ -381,37 +421,77 @@ class Scheduler:
         bm.free(req)
 
     # ---- after the forward ---------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: Iterable[int]) -> list[Request]:
-        """Advance counters by what ran; append one sampled token per sampling request (in the order
-        of `out.scheduled`); finish requests on EOS, stop token ids, max_tokens or the context length.
-        Returns the requests that got a new token, finished ones included."""
+    def update_from_output(self, out: SchedulerOutput, model_output: ModelOutput) -> list[Request]:
+        """Advance counters by what ran; append each sampling request's accepted tokens (`model_output`
+        is in the order of the sampling requests of `out.scheduled`) with their logprobs and, for the
+        first, its time stamp; roll back over rejected draft tokens; finish requests on EOS, stop token
+        ids, max_tokens or the context length (tokens accepted past a stop are dropped); take the drafts
+        proposed for the next step. Returns the requests that got new tokens, finished ones included."""
         bm = self.block_manager
-        tokens = iter(sampled)
+        drafts_of = model_output.spec_token_ids or [None] * len(model_output.token_ids)
+        sampled = iter(zip(model_output.token_ids, model_output.logprobs, drafts_of))
+        now = self.clock()
         updated: list[Request] = []
         for s in out.scheduled:
             req = s.req
-            samples = s.samples
+            samples, num_spec = s.samples, s.num_spec_tokens  # (both read the counters moved below)
             if req.is_finished:  # finished while its step was in flight (abort): its blocks are gone
                 if samples:
-                    next(tokens)
+                    next(sampled)
                 continue
             req.num_computed_tokens += s.num_new_tokens
-            bm.cache_full_blocks(req)
             if not samples:
+                bm.cache_full_blocks(req)
                 continue
-            token = next(tokens)
-            req.output_token_ids.append(token)
+            tokens, logprobs, drafts = next(sampled)
+            assert 1 <= len(tokens) <= num_spec + 1, "a step accepts 1..k+1 tokens with k drafts"
+            req.spec_token_ids = []
+            if req.first_token_time is None:
+                req.first_token_time = now
             updated.append(req)
+            reason, stop_reason = self._append(req, tokens, logprobs)
+            # Every token but the last appended is computed. What the step ran past that (the drafts it
+            # rejected, accepted ones after a stop) is rolled back: those slots are rewritten from here on.
+            req.num_computed_tokens = req.num_tokens - 1
+            bm.cache_full_blocks(req)  # after the rollback: never an unverified token
             if req.remote_decode:  # the decode instance checks stops; hold the blocks until it has the KV
                 self.running.remove(req)
                 req.status = RequestStatus.SENDING_KV
                 self.sending[req.req_id] = req
                 continue
-            reason, stop_reason = self._check_stop(req, token)
             if reason is not None:
                 self.running.remove(req)
                 self._finish(req, reason, stop_reason)
+                continue
+            bm.truncate(req, req.num_tokens)  # slots of rejected drafts
+            if drafts:
+                req.spec_token_ids = drafts[: self._max_spec_tokens(req)]
         return updated
+
+    def _append(
+        self, req: Request, tokens: list[int], logprobs: list[dict[int, float]] | None
+    ) -> tuple[FinishReason | None, str | int | None]:
+        """Append accepted tokens up to the first that stops the request; returns the stop, if any."""
+        reason: FinishReason | None = None
+        stop_reason: int | None = None
+        for i, token in enumerate(tokens):
+            req.output_token_ids.append(token)
+            if logprobs is not None:
+                if req.logprobs is None:
+                    req.logprobs = []
+                req.logprobs.append(logprobs[i])
+            reason, stop_reason = self._check_stop(req, token)
+            if reason is not None:
+                break
+        return reason, stop_reason
+
+    def _max_spec_tokens(self, req: Request) -> int:
+        """Drafts worth running: a step accepts at most drafts + 1 tokens, and none past max_tokens or the
+        context length."""
+        n = req.params.max_tokens - req.num_output_tokens - 1
+        if req.max_model_len:
+            n = min(n, req.max_model_len - req.num_tokens)
+        return max(0, n)
 
     def _check_stop(self, req: Request, token: int) -> tuple[FinishReason | None, int | None]:
         p = req.params
@@ -429,7 +509,7 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.stop_reason = stop_reason
-        req.finished_time = time.monotonic()
+        req.finished_time = self.clock()
         self.block_manager.free(req)
         if req.host_block_ids:
             assert self.host_pool is not None

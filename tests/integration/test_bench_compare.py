@@ -10,7 +10,7 @@ import shlex
 import pytest
 
 from pdserve.cli import main
-from tests.integration.test_server import tiny_server_args
+from tests.support.server import tiny_server_args
 
 NUM_PROMPTS = 6
 INPUT_LEN, OUTPUT_LEN = 24, 8

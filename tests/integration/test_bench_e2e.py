@@ -15,7 +15,7 @@ from pdserve.cli import main
 from pdserve.model.loader import default_model_path
 from pdserve.model.tokenizer import load_tokenizer
 from pdserve.server.launcher import ServerProcess
-from tests.integration.test_server import MODEL, quiet_env, tiny_server_args
+from tests.support.server import MODEL, quiet_env, tiny_server_args
 
 NUM_PROMPTS = 8
 INPUT_LEN, OUTPUT_LEN = 24, 12

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from pdserve.server.launcher import ServerProcess
-from tests.integration.test_server import MODEL, quiet_env, tiny_server_args, wait_for
+from tests.support.server import MODEL, quiet_env, tiny_server_args, wait_for
 
 PROMPTS = [
     "The capital of France is",

@@ -17,7 +17,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.request import SamplingParams
 from pdserve.server.engine_core import CoreAddresses, EngineCore
 from pdserve.server.messages import AbortRequests, AddRequest, CoreMessage, EngineOutputs, Ready, Shutdown
-from tests.conftest import TINY
+from tests.support.tiny import TINY
 
 POISON = 7  # a prompt holding this token id makes the model runner raise
 
@@ -35,6 +35,9 @@ class FailingRunner:
 
     def release(self, req_id: str) -> None:
         self.runner.release(req_id)
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self.runner, name)  # the rest of the executor interface (swaps, draws)
 
 
 @pytest.fixture

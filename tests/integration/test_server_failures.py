@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from pdserve.server.launcher import ServerProcess
-from tests.integration.test_server import MODEL, quiet_env, scrape, tiny_server_args, wait_for
+from tests.support.server import MODEL, quiet_env, scrape, tiny_server_args, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,9 @@ def test_engine_death_fails_requests_and_health(server):
         killed = time.monotonic()
         os.kill(engine_pid, signal.SIGKILL)
         events = [line for line in lines if line.startswith("data: ")]
-    assert time.monotonic() - killed < 5
+    # A liveness bound, not a speed figure: the streams end on the engine's death, long before the
+    # client's 30 s timeout that a hang would run into.
+    assert time.monotonic() - killed < 20
     assert events[-1] == "data: [DONE]"
     err = json.loads(events[-2][len("data: ") :])["error"]
     assert "died" in err["message"] and err["code"] == "engine_unavailable"
@@ -99,10 +101,9 @@ def test_engine_death_fails_requests_and_health(server):
 
     health = httpx.get(srv.url + "/health", timeout=5)
     assert health.status_code == 503 and health.json()["status"] == "restarting"
-    started = time.monotonic()
-    refused = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=5)
+    # Refused at once (a request queued for a dead engine would run into the 10 s timeout instead).
+    refused = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=10)
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_unavailable"
-    assert time.monotonic() - started < 2
 
     # A new core comes up and serves; the old one's requests are not resurrected.
     assert wait_for(lambda: httpx.get(srv.url + "/health").status_code == 200, timeout=60)

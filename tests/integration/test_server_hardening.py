@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from pdserve.server.launcher import ServerProcess
-from tests.integration.test_server import MODEL, quiet_env, scrape, tiny_server_args, wait_for
+from tests.support.server import MODEL, quiet_env, scrape, tiny_server_args, wait_for
 
 
 API_KEY = "sk-test-0123456789"

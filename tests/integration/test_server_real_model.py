@@ -9,7 +9,7 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.server.launcher import ServerProcess
-from tests.integration.test_server import quiet_env
+from tests.support.server import quiet_env
 
 pytestmark = pytest.mark.real_model
 

@@ -17,7 +17,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.request import SamplingParams
 from pdserve.server.engine_core import CoreAddresses, EngineCore
 from pdserve.server.messages import AddRequest, CoreMessage, EngineOutputs, Ready, RequestDelta, Shutdown
-from tests.conftest import TINY
+from tests.support.tiny import TINY
 
 
 def test_engine_core_sends_rejections_and_model_state(tiny_weights) -> None:

@@ -16,7 +16,7 @@ from pdserve.errors import InvalidRequestError
 from pdserve.request import RequestStatus
 from pdserve.transfer.base import KVLayout, TransferState
 from pdserve.transfer.inproc import InprocHub, InprocTransport
-from tests.conftest import TINY, random_prompts
+from tests.support.tiny import TINY, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 LAYOUT = KVLayout(TINY.num_layers, TINY.num_kv_heads, TINY.head_dim, torch.float32)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve import SamplingParams
-from tests.conftest import random_prompts
+from tests.support.tiny import random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
@@ -21,7 +21,7 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def reference(tiny_weights, prompts):
-    from tests.conftest import TINY
+    from tests.support.tiny import TINY
     from pdserve import LLM
 
     llm = LLM(dtype="float32", device="cpu", model_config=TINY, weights=tiny_weights, num_blocks=256,

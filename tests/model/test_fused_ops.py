@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pdserve.model.ops import TorchOps, fused_cpu_ops
-from tests.conftest import TINY
+from tests.support.tiny import TINY
 
 fused = fused_cpu_ops()
 pytestmark = pytest.mark.skipif(fused is None, reason="no C++ compiler for the fused ops")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pdserve.kv.cache import KVCache
-from tests.conftest import TINY
+from tests.support.tiny import TINY
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -52,7 +52,7 @@ def test_swap_counters_reach_prometheus(make_tiny_llm):
     from pdserve import SamplingParams
     from pdserve.server.engine_core import engine_stats
     from pdserve.server.metrics import ServerMetrics
-    from tests.conftest import random_prompts
+    from tests.support.tiny import random_prompts
 
     llm = make_tiny_llm(num_blocks=40, scheduler="chunked", max_num_batched_tokens=64, preemption_mode="swap",
                         swap_space_gb=0.01)

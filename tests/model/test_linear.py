@@ -54,7 +54,7 @@ def test_strided_rows_and_empty_input():
 
 def test_engine_greedy_matches_onednn(tiny_weights):
     from pdserve import LLM, SamplingParams
-    from tests.conftest import TINY, random_prompts
+    from tests.support.tiny import TINY, random_prompts
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN to compare with")

@@ -159,7 +159,7 @@ def test_real_measurement_is_correct_at_every_bucket():
 
 def test_engine_keeps_the_plan(tiny_weights, tmp_path):
     from pdserve import LLM
-    from tests.conftest import TINY
+    from tests.support.tiny import TINY
 
     llm = LLM(dtype="bfloat16", device="cpu", model_config=TINY, weights=tiny_weights, num_blocks=32,
               block_size=4, kernel_cache_dir=str(tmp_path))
@@ -197,7 +197,7 @@ def test_batch_invariant_engine_gives_a_request_the_same_tokens_alone_and_in_a_b
 
     from pdserve import LLM, SamplingParams
     from pdserve.model.llama import random_weights
-    from tests.conftest import TINY, random_prompts
+    from tests.support.tiny import TINY, random_prompts
 
     cfg = dataclasses.replace(TINY, hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3,
                               head_dim=64, num_layers=2)

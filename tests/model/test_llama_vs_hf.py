@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pdserve import SamplingParams
-from tests.conftest import TINY, random_prompts
+from tests.support.tiny import TINY, random_prompts
 
 transformers = pytest.importorskip("transformers")
 

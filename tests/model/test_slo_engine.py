@@ -12,7 +12,7 @@ from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.errors import SLORejectedError
 from pdserve.scheduler.policies import SLOAware
-from tests.conftest import TINY, random_prompts
+from tests.support.tiny import TINY, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 

@@ -42,7 +42,7 @@ def test_cpu_flags_are_the_relevant_ones():
 
 def tiny_linear_weights():
     from pdserve.model.llama import LlamaModel, random_weights
-    from tests.conftest import TINY
+    from tests.support.tiny import TINY
 
     model = LlamaModel(TINY)
     model.load_hf_weights(random_weights(TINY, seed=3))
@@ -54,7 +54,7 @@ def test_machine_report_on_the_tiny_model():
 
     from pdserve.bench.machine import format_report, machine_report
     from pdserve.model.linear import available_kernels
-    from tests.conftest import TINY
+    from tests.support.tiny import TINY
 
     weights = tiny_linear_weights()
     r = machine_report(weights, "tiny", rows=(1, 8), repeats=1, seconds=0.01, dram_bytes=1 << 20,
@@ -77,7 +77,7 @@ def test_machine_report_on_the_tiny_model():
 
 
 def TINY_QKV_ROWS() -> int:
-    from tests.conftest import TINY
+    from tests.support.tiny import TINY
 
     return (TINY.num_heads + 2 * TINY.num_kv_heads) * TINY.head_dim
 

@@ -18,7 +18,7 @@ from pdserve.kv.block_manager import BlockManager
 from pdserve.request import FinishReason, Request
 from pdserve.scheduler.policies import POLICIES, Chunked, DecodePriority, PrefillFirst, make_policy
 from pdserve.scheduler.scheduler import Scheduler, SchedulerOutput
-from tests.unit.test_scheduler import Driver, assert_all_freed, expected_output, make_req
+from tests.support.scheduler_driver import Driver, assert_all_freed, expected_output, make_req, random_arrivals
 
 POLICY = "decode-priority"
 
@@ -127,15 +127,6 @@ def run(sched: Scheduler, arrivals: list[tuple[int, list[int], int]], max_steps:
         assert req.output_token_ids == expected_output(prompt, max_tokens)
     assert_all_freed(sched)
     return watch
-
-
-def random_arrivals(rng: random.Random, n: int, *, max_prompt: int = 20, max_tokens: int = 16) -> list:
-    step, arrivals = 0, []
-    for _ in range(n):
-        step += rng.randint(0, 2)
-        prompt = [rng.randint(1, 3) for _ in range(rng.randint(1, max_prompt))]
-        arrivals.append((step, prompt, rng.randint(1, max_tokens)))
-    return arrivals
 
 
 # ---- decode-priority -------------------------------------------------------------------------------

@@ -10,213 +10,27 @@ on the whole sequence, so a lost or duplicated output token changes every later 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.config import SchedulerConfig
-from pdserve.kv.block_manager import BlockManager, HostBlockPool
-from pdserve.request import FinishReason, Request, RequestStatus, SamplingParams
+from pdserve.kv.block_manager import BlockManager
+from pdserve.request import FinishReason, Request, RequestStatus
 from pdserve.scheduler.policies import make_policy
-from pdserve.scheduler.scheduler import Scheduler, SchedulerOutput
+from pdserve.scheduler.scheduler import Scheduler
+from tests.support.scheduler_driver import (
+    EOS,
+    Driver,
+    assert_all_freed,
+    expected_output,
+    make_req,
+    make_scheduler,
+)
 
-EOS = 0
 POLICIES = ["prefill-first", "chunked"]
-
-
-def make_scheduler(
-    policy: str,
-    *,
-    budget: int = 16,
-    max_num_seqs: int = 8,
-    num_blocks: int = 64,
-    block_size: int = 4,
-    chunk_size: int | None = None,
-    prefix_caching: bool = True,
-    num_host_blocks: int = 0,
-) -> Scheduler:
-    """`num_host_blocks` > 0: preemption swaps to a host tier of that many blocks."""
-    config = SchedulerConfig(
-        policy=policy, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, chunk_size=chunk_size,
-        preemption_mode="swap" if num_host_blocks else "recompute",
-    )
-    host = HostBlockPool(num_host_blocks) if num_host_blocks else None
-    return Scheduler(config, BlockManager(num_blocks, block_size, prefix_caching), make_policy(policy), host)
-
-
-def make_req(
-    req_id: str,
-    prompt: list[int],
-    max_tokens: int = 4,
-    *,
-    ignore_eos: bool = True,
-    stop_token_ids: tuple[int, ...] = (),
-    max_model_len: int = 0,
-) -> Request:
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=list(stop_token_ids))
-    return Request(
-        req_id, list(prompt), params, eos_token_ids=frozenset({EOS}), max_model_len=max_model_len
-    )
-
-
-def model_token(tokens: list[int]) -> int:
-    """What the fake model samples after `tokens` (0..3; 0 is EOS)."""
-    return (sum(tokens) * 7 + len(tokens)) % 4
-
-
-def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
-    tokens = list(prompt)
-    for _ in range(max_tokens):
-        tokens.append(model_token(tokens))
-    return tokens[len(prompt) :]
-
-
-@dataclass
-class Driver:
-    """Runs steps like `LLMEngine.step()` with a fake forward, checking every step."""
-
-    sched: Scheduler
-    sample: Callable[[Request], int] = lambda req: model_token(req.all_token_ids())
-    slots: dict[int, tuple[int, ...]] = field(default_factory=dict)  # slot -> prefix whose K/V it holds
-    host_slots: dict[int, tuple[int, ...]] = field(default_factory=dict)  # the same for the host tier
-    first_scheduled: list[str] = field(default_factory=list)  # req ids in the order first scheduled
-    outputs: list[SchedulerOutput] = field(default_factory=list)
-    num_preempted: int = 0
-    num_swapped_out: int = 0
-    num_swapped_in: int = 0
-
-    def step(self, abort_in_flight: Callable[[SchedulerOutput], None] | None = None) -> SchedulerOutput:
-        sched = self.sched
-        bm, cfg = sched.block_manager, sched.config
-        was_running = {id(r) for r in sched.running}
-        was_waiting = {id(r) for r in sched.waiting}
-        was_swapped = list(sched.swapped)
-        # Decoding: the prompt is done and only the latest sampled token is left to compute.
-        decoding = [
-            r for r in sched.running if not r.is_prefill and r.num_computed_tokens == r.num_tokens - 1
-        ]
-
-        out = sched.schedule()
-
-        reqs = [s.req for s in out.scheduled]
-        scheduled = {id(r) for r in reqs}
-        preempted = {id(r) for r in out.preempted}
-        running = {id(r) for r in sched.running}
-        assert len(scheduled) == len(reqs), "a request scheduled twice in one step"
-        assert out.num_batched_tokens == sum(s.num_new_tokens for s in out.scheduled)
-        assert out.num_batched_tokens <= cfg.max_num_batched_tokens, "token budget exceeded"
-        assert len(sched.running) <= cfg.max_num_seqs, "max_num_seqs exceeded"
-        num_prefill = num_decode = 0
-        for s in out.scheduled:
-            r, n = s.req, s.num_new_tokens
-            assert n >= 1
-            assert r.status is RequestStatus.RUNNING and id(r) in running
-            assert r.num_computed_tokens + n <= r.num_tokens, "scheduled tokens that do not exist yet"
-            assert len(r.block_ids) * bm.block_size >= r.num_computed_tokens + n, "no slots for the tokens"
-            if not r.is_prefill and r.num_tokens - r.num_computed_tokens == 1:
-                num_decode += n
-            else:
-                num_prefill += n
-            if r.req_id not in self.first_scheduled:
-                self.first_scheduled.append(r.req_id)
-        assert (out.num_prefill_tokens, out.num_decode_tokens) == (num_prefill, num_decode), "accounting"
-        swapped_in = [r for r in was_swapped if r.status is not RequestStatus.SWAPPED or id(r) in preempted]
-        assert was_swapped[: len(swapped_in)] == swapped_in, "swapped requests came back out of order"
-        still_swapped = [r for r in was_swapped if r.status is RequestStatus.SWAPPED and id(r) not in preempted]
-        assert not still_swapped or not any(id(r) in was_waiting for r in reqs), "admitted before a swap-in"
-        assert len(out.swap_in) == sum(bm.num_blocks_for(r.num_computed_tokens) for r in swapped_in)
-        num_swap_out = 0
-        for r in out.preempted:
-            assert id(r) in was_running or r in swapped_in
-            if r.status is RequestStatus.SWAPPED:
-                assert sched.host_pool is not None and any(w is r for w in sched.swapped)
-                assert r.block_ids == [] and len(r.host_block_ids) == bm.num_blocks_for(r.num_computed_tokens) > 0
-                num_swap_out += len(r.host_block_ids)
-            elif id(r) not in scheduled:  # (a victim may come straight back through the prefix cache)
-                assert r.status is RequestStatus.PREEMPTED and any(w is r for w in sched.waiting)
-                assert r.block_ids == [] and r.num_computed_tokens == 0
-        assert len(out.swap_out) == num_swap_out
-        self.num_preempted += len(out.preempted)
-        self.num_swapped_out += len(out.swap_out)
-        self.num_swapped_in += len(out.swap_in)
-
-        if sched.policy.name == "chunked":
-            if len(decoding) <= cfg.max_num_batched_tokens:
-                starved = [r.req_id for r in decoding if id(r) not in scheduled | preempted]
-                assert not starved, f"decodes starved under chunked: {starved}"
-            if cfg.chunk_size is not None:
-                assert all(s.num_new_tokens <= cfg.chunk_size for s in out.scheduled), "chunk_size exceeded"
-        if sched.policy.name == "prefill-first":
-            # Running decodes stall while prompt tokens run. (A victim that the prefix cache readmits in
-            # the same step with one token left is admission work computed like a decode: not a stall.)
-            ran_prompt = any(s.req.is_prefill for s in out.scheduled)
-            stalled = {id(r) for r in decoding} - preempted
-            assert not (ran_prompt and scheduled & stalled), "prefill-first ran a decode too"
-            for s in out.scheduled:  # a prompt that fits a whole step's budget is admitted whole
-                left = s.req.num_tokens - s.req.num_computed_tokens
-                if id(s.req) in was_waiting and left <= cfg.max_num_batched_tokens:
-                    assert s.num_new_tokens == left, "prefill-first split a prompt that fits the budget"
-
-        self._swap(out)
-        self._forward(out)
-        if abort_in_flight is not None:
-            abort_in_flight(out)
-        sampled = [self.sample(s.req) for s in out.scheduled if s.samples]
-        sched.update_from_output(out, sampled)
-        bm.check_invariants(sched.running)
-        assert all(not r.block_ids for r in sched.waiting)
-        assert all(not r.host_block_ids for r in [*sched.waiting, *sched.running]), "host blocks kept"
-        if sched.host_pool is not None:
-            sched.host_pool.check_invariants([r.host_block_ids for r in sched.swapped])
-        self.outputs.append(out)
-        return out
-
-    def _swap(self, out: SchedulerOutput) -> None:
-        """What `KVCache.swap` does, on the slot model: swap-ins first, then swap-outs."""
-        bs = self.sched.block_manager.block_size
-        for src_tier, dst_tier, pairs in ((self.host_slots, self.slots, out.swap_in), (self.slots, self.host_slots, out.swap_out)):
-            for src, dst in pairs:
-                for o in range(bs):
-                    content = src_tier.get(src * bs + o)
-                    if content is None:
-                        dst_tier.pop(dst * bs + o, None)
-                    else:
-                        dst_tier[dst * bs + o] = content
-
-    def _forward(self, out: SchedulerOutput) -> None:
-        bm = self.sched.block_manager
-        bs = bm.block_size
-        for s in out.scheduled:
-            r = s.req
-            tokens = r.all_token_ids()
-            for pos in range(r.num_computed_tokens):  # the context attention reads
-                slot = r.block_ids[pos // bs] * bs + pos % bs
-                assert self.slots.get(slot) == tuple(tokens[: pos + 1]), "attention would read foreign K/V"
-            for pos in range(r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens):
-                block = r.block_ids[pos // bs]
-                assert bm.ref_counts[block] == 1 and bm.block_hashes[block] is None, "write to a shared block"
-                self.slots[block * bs + pos % bs] = tuple(tokens[: pos + 1])
-
-    def run(self, max_steps: int = 10_000) -> None:
-        for _ in range(max_steps):
-            if not self.sched.has_unfinished_requests():
-                return
-            out = self.step()
-            assert out.scheduled or out.preempted or out.swap_in, "stuck: unfinished requests but nothing scheduled"
-        raise AssertionError("did not finish")
-
-
-def assert_all_freed(sched: Scheduler) -> None:
-    bm = sched.block_manager
-    assert not sched.has_unfinished_requests() and not sched.requests
-    bm.check_invariants([])
-    assert bm.num_free_blocks == bm.num_blocks
-    assert not bm._req_hashes, "per-request prefix-cache state leaked"
-    if sched.host_pool is not None:
-        sched.host_pool.check_invariants([])
 
 
 # ---- random workloads ------------------------------------------------------------------------------

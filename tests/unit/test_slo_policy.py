@@ -19,8 +19,7 @@ from pdserve.kv.block_manager import BlockManager
 from pdserve.request import FinishReason, Request
 from pdserve.scheduler.policies import SLOAware, make_policy
 from pdserve.scheduler.scheduler import Scheduler, SchedulerOutput
-from tests.unit.test_policies import random_arrivals
-from tests.unit.test_scheduler import Driver, assert_all_freed, expected_output, make_req
+from tests.support.scheduler_driver import Driver, assert_all_freed, expected_output, make_req, random_arrivals
 
 POLICY = "slo"
 # The fake machine: seconds per step, per prompt token, per decode, per context token.

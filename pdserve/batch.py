@@ -1,0 +1,58 @@
+"""The step contract between the scheduler and an executor, torch-free on both sides.
+
+The scheduler's `SchedulerOutput` says what runs this step; an executor (the model runner, or a fake one
+for tests and the simulator) runs it and answers with a `ModelOutput`, which the scheduler applies in
+`update_from_output`. `SchedulerOutput.to_batch()` snapshots the step as a `Batch`: per request the
+token ids to run, where they start, the block table and whether (and from how many draft tokens) it
+samples, so an executor builds its tensors from the batch rather than from live `Request` objects.
+
+A step may accept more than one token per request: with k draft tokens scheduled (`num_spec_tokens`),
+the executor verifies them and returns the accepted drafts plus one token of its own (1..k+1 tokens); it
+may also propose drafts for the request's next step (`ModelOutput.spec_token_ids`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.request import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRequest:
+    req_id: str
+    token_ids: list[int]  # what runs, from position `start` on; the last `num_spec_tokens` are drafts
+    start: int  # position of token_ids[0]: the request's num_computed_tokens
+    block_ids: list[int]  # the block table, covering at least start + len(token_ids) slots
+    samples: bool  # every known token is computed after this step: it produces the next token(s)
+    num_spec_tokens: int  # draft tokens at the end of token_ids, verified by this step
+    params: SamplingParams
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    requests: list[BatchRequest]  # in the order of `SchedulerOutput.scheduled`
+    num_tokens: int
+
+    @property
+    def sampling(self) -> list[BatchRequest]:
+        return [r for r in self.requests if r.samples]
+
+
+@dataclass(slots=True)
+class ModelOutput:
+    """One entry per sampling request, in the order of `SchedulerOutput.scheduled`."""
+
+    token_ids: list[list[int]]  # the tokens each accepted this step: 1..k+1 with k drafts scheduled
+    logprobs: list[list[dict[int, float]] | None]  # one {token: logprob} per accepted token, if asked
+    forward_time: float  # seconds spent in the model and sampler
+    # Draft tokens proposed for each sampling request's next step (None: the executor proposes none).
+    spec_token_ids: list[list[int]] | None = None

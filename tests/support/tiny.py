@@ -1,0 +1,28 @@
+"""The tests' tiny random Llama (fast: steps take milliseconds) and random prompts for it."""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.config import ModelConfig
+
+TINY = ModelConfig(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=160,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    eos_token_ids=(0,),
+)
+
+
+def random_prompts(n: int, lo: int, hi: int, seed: int = 0, vocab: int = TINY.vocab_size) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [torch.randint(1, vocab, (L,), generator=g).tolist() for L in lens]
