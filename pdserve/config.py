@@ -19,7 +19,8 @@ def default_model_cache_dir() -> str:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder, as read from a GGUF file or a Hugging Face config.json."""
+    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2), as read from a GGUF file or a Hugging
+    Face config.json."""
 
     vocab_size: int
     hidden_size: int
@@ -34,7 +35,8 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    architecture: str = "llama"
+    architecture: str = "llama"  # "llama" | "qwen2": the same block, told apart by the flags below
+    attention_bias: bool = False  # q, k and v projections have biases (Qwen2); o never has one
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
