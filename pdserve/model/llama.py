@@ -11,6 +11,8 @@ Logits are computed only for the rows that sample.
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -21,6 +23,8 @@ from pdserve.attention.base import AttentionBackend, AttentionMetadata
 from pdserve.config import ModelConfig
 from pdserve.model.linear import LINEAR_KINDS, PackedLinear, cpu_linear_packer
 from pdserve.model.ops import FusedCpuOps, TorchOps, fused_cpu_ops, rms_norm
+
+logger = logging.getLogger(__name__)
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,6 +132,9 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             layer.prepack(pack)
         self.packed_lm_head = pack(self.lm_head)
+        kinds = Counter(type(p).__name__ for layer in self.layers for p in layer.packed.values())
+        kinds[type(self.packed_lm_head).__name__ + " (output head)"] += 1
+        logger.info("linear kernels: %s", ", ".join(f"{name} x{n}" for name, n in sorted(kinds.items())))
         return True
 
     def use_fused_cpu_ops(self) -> bool:
@@ -139,6 +146,7 @@ class LlamaModel(nn.Module):
         if ops is None:
             return False
         self.ops = ops
+        logger.info("fused CPU ops: add+RMSNorm, RoPE (rotate-half), %s", ops.silu_mul_path)
         return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
