@@ -176,5 +176,6 @@ def test_chat_template_matches_transformers(path, tokenizer):
 
 
 def test_chat_ends_at_im_end(sequential):
-    out = sequential.chat(CHATS[0], SamplingParams(temperature=0, max_tokens=200), use_tqdm=False)[0].outputs[0]
-    assert out.finish_reason == "stop" and "def " in out.text and "<|im_end|>" not in out.text
+    question = [{"role": "user", "content": "Answer with one word: what is the capital of France?"}]
+    out = sequential.chat(question, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and "Paris" in out.text and "<|im_end|>" not in out.text
