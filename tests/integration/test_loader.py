@@ -179,19 +179,19 @@ def llama_cpp_permute_inverse(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def test_gguf_unsupported_tensor_type(tmp_path):
-    path = str(tmp_path / "q6k.gguf")
-    # 1 x 256 elements of Q6_K is one 210-byte block; its contents do not matter.
-    raw = {"blk.0.ffn_extra.weight": (np.zeros((1, 210), dtype=np.uint8), Q.Q6_K)}
+    path = str(tmp_path / "iq2.gguf")
+    # 1 x 256 elements of IQ2_XXS is one 66-byte block; its contents do not matter.
+    raw = {"blk.0.ffn_extra.weight": (np.zeros((1, 66), dtype=np.uint8), Q.IQ2_XXS)}
     write_tiny_gguf(path, tiny_hf_weights(), raw_tensors=raw)
     with pytest.raises(ModelLoadError, match="ffn_extra"):
         load_weights(path, torch.float32)
 
-    path = str(tmp_path / "q6k_known_name.gguf")
+    path = str(tmp_path / "iq2_known_name.gguf")
     weights = tiny_hf_weights()
     del weights["model.layers.1.mlp.up_proj.weight"]
-    raw = {"blk.1.ffn_up.weight": (np.zeros((TINY["inter"], 210), dtype=np.uint8), Q.Q6_K)}
+    raw = {"blk.1.ffn_up.weight": (np.zeros((TINY["inter"], 66), dtype=np.uint8), Q.IQ2_XXS)}
     write_tiny_gguf(path, weights, raw_tensors=raw)
-    with pytest.raises(ModelLoadError, match=r"blk\.1\.ffn_up\.weight.*Q6_K"):
+    with pytest.raises(ModelLoadError, match=r"blk\.1\.ffn_up\.weight.*IQ2_XXS"):
         load_weights(path, torch.float32)
 
 

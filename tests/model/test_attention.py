@@ -93,13 +93,37 @@ def cpu_paged():
         pytest.skip(f"cpu-paged unavailable: {e}")
 
 
+# (query heads, kv heads, head_dim): SmolLM2 (group 3), Qwen2.5 0.5B (group 7, 64) and 1.5B (group 6, 128),
+# and the ends of the fast path's range (groups 1 and 8).
+SHAPES = [(9, 3, 64), (14, 2, 64), (12, 2, 128), (4, 4, 128), (16, 2, 64)]
+SHAPE_IDS = ["smollm2", "qwen-0.5b", "qwen-1.5b", "g1-d128", "g8-d64"]
+
+
+def has_fast_kernels(cpu_paged) -> bool:
+    """Whether this build has the AVX-512 BF16 kernels at all (SmolLM2's shape has always had them)."""
+    return cpu_paged._kernel.decode_fast_path(True, 9, 3, 64)
+
+
+def test_cpu_paged_fast_path_shapes(cpu_paged):
+    if not has_fast_kernels(cpu_paged):
+        pytest.skip("no AVX-512 BF16 kernels in this build")
+    k = cpu_paged._kernel
+    for h, kvh, d in SHAPES:
+        assert k.decode_fast_path(True, h, kvh, d) and k.prefill_fast_path(True, h, kvh, d, 16), (h, kvh, d)
+    assert not k.decode_fast_path(False, 9, 3, 64)  # float32: the portable loop
+    assert not k.decode_fast_path(True, 18, 2, 64)  # group 9
+    assert not k.decode_fast_path(True, 8, 2, 96)  # head_dim 96
+    assert not k.prefill_fast_path(True, 9, 3, 64, 8)  # blocks of 8 tokens
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_cpu_paged_decode_long_contexts(cpu_paged, block_size):
+def test_cpu_paged_decode_long_contexts(cpu_paged, block_size, shape):
     """The C++ decode kernel on 16-token blocks (its 16-rows-at-a-time path, with partial last blocks)
     over many requests of very different context lengths (its per-thread split), against naive
     attention; and the same result with one thread as with two."""
     g = torch.Generator().manual_seed(1)
-    H, KVH, D, nblocks = 9, 3, 64, 256
+    (H, KVH, D), nblocks = shape, 256
     ctx = [1, 15, 16, 17, 33, 250, 700, 2, 64, 129]
     k_cache = torch.randn(KVH, nblocks, block_size, D, generator=g).bfloat16()
     v_cache = torch.randn(KVH, nblocks, block_size, D, generator=g).bfloat16()
@@ -124,12 +148,13 @@ def test_cpu_paged_decode_long_contexts(cpu_paged, block_size):
         torch.set_num_threads(threads)
 
 
-def test_cpu_paged_prefill_kernel(cpu_paged):
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_cpu_paged_prefill_kernel(cpu_paged, shape):
     """The C++ prefill kernel: fresh prompts and chunks with cached context (prefix hits, chunked
     prefill), lengths off the 16-row tiles, queries attending causally through scattered blocks;
     against naive attention, all sequences in one call, other rows of `out` untouched."""
     g = torch.Generator().manual_seed(2)
-    H, KVH, D, bs, nblocks = 9, 3, 64, 16, 128
+    (H, KVH, D), bs, nblocks = shape, 16, 128
     k_cache = torch.randn(KVH, nblocks, bs, D, generator=g).bfloat16()
     v_cache = torch.randn(KVH, nblocks, bs, D, generator=g).bfloat16()
     perm = torch.randperm(nblocks, generator=g).tolist()

@@ -24,8 +24,9 @@ def ulp_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 7, 33])
-def test_add_rms_norm(dtype, rows):
-    x, delta, w = rand(rows, 576, dtype=dtype, seed=1), rand(rows, 576, dtype=dtype, seed=2), rand(576, dtype=dtype, seed=3)
+@pytest.mark.parametrize("hidden", [576, 896, 1536])  # SmolLM2, Qwen2.5 0.5B, 1.5B
+def test_add_rms_norm(dtype, rows, hidden):
+    x, delta, w = rand(rows, hidden, dtype=dtype, seed=1), rand(rows, hidden, dtype=dtype, seed=2), rand(hidden, dtype=dtype, seed=3)
     ref_x, ref_h = TorchOps.add_rms_norm(x.clone(), delta, w, 1e-5)
     got_x, got_h = fused.add_rms_norm(x.clone(), delta, w, 1e-5)
     assert torch.equal(got_x, ref_x)  # the add rounds exactly as torch's
@@ -45,8 +46,10 @@ def test_add_rms_norm(dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_rope_qkv_bit_identical(dtype):
-    t, h, kvh, d = 9, 9, 3, 64
+@pytest.mark.parametrize("heads", [(9, 3, 64), (14, 2, 64), (12, 2, 128)], ids=["smollm2", "qwen-0.5b", "qwen-1.5b"])
+def test_rope_qkv_bit_identical(dtype, heads):
+    """Rotate-half (NEOX) RoPE, the order Qwen2's GGUF keeps its rows in and llama's is restored to."""
+    t, (h, kvh, d) = 9, heads
     qkv = rand(t, (h + 2 * kvh) * d, dtype=dtype, seed=4)
     angles = rand(t, 1, d, dtype=torch.float32, seed=5)
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
@@ -77,10 +80,11 @@ def test_model_forward_matches_with_fused_ops(tiny_weights):
 
 
 @pytest.mark.parametrize("rows", [1, 9, 40])
-def test_silu_mul(rows):
+@pytest.mark.parametrize("ffn", [1536 + 5, 4864, 8960])  # off 16; Qwen2.5 0.5B; 1.5B
+def test_silu_mul(rows, ffn):
     """F.silu(gate) * up with its two bf16 roundings: the fused op's own exp may differ from torch's in
     the last float32 bit, which changes a bf16 result only when it sits on a rounding boundary."""
-    gate_up = (rand(rows, 2 * 1536 + 2 * 5, dtype=torch.float32, seed=6) * 4).bfloat16()  # width off 16
+    gate_up = (rand(rows, 2 * ffn, dtype=torch.float32, seed=6) * 4).bfloat16()
     ref = TorchOps.silu_mul(gate_up)
     got = fused.silu_mul(gate_up)
     assert got.shape == ref.shape

@@ -159,42 +159,60 @@ inline void store_bf16x16(at::BFloat16* o, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
 }
 
-// Calls f(std::integral_constant<int, G>{}) for G = query heads per kv head (1..4; the kernels are
-// templates on it so their per-head state stays in registers).
-template <typename F>
-void with_group_size(int64_t G, const F& f) {
-  switch (G) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    default: f(std::integral_constant<int, 4>{}); break;
-  }
+inline __m512 bf16x16_to_float(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-// bf16 K/V, head_dim 64, G query heads per kv head: AVX-512 BF16 dot products for q.k (32 pairs per
-// instruction, no conversion of K), 16 tokens' scores reduced together, register-resident
-// accumulators for p.v, and blocks prefetched kPrefetch ahead (blocks are scattered: 30 layers' caches
-// of 10 x 1,200 tokens in random blocks read at 21 GB/s with one block ahead, 26-28 with 4-12).
+// The shapes with a fast path: query heads per kv head G = 1..8 (SmolLM2 3, Llama-3 4, Qwen2.5 0.5B 7 and
+// 1.5B 6) and head_dim 64 or 128. The kernels are templates on both, so per-head state stays in registers
+// and loops over dims unroll. Each call returns false (nothing run) for any other value.
+constexpr int kMaxGroup = 8;
+inline bool is_fast_shape(int64_t G, int64_t D) { return G >= 1 && G <= kMaxGroup && (D == 64 || D == 128); }
+
+template <typename F>
+void with_shape(int64_t G, int64_t D, const F& f) {
+  const auto with_g = [&](auto d) {
+    switch (G) {
+      case 1: f(d, std::integral_constant<int, 1>{}); break;
+      case 2: f(d, std::integral_constant<int, 2>{}); break;
+      case 3: f(d, std::integral_constant<int, 3>{}); break;
+      case 4: f(d, std::integral_constant<int, 4>{}); break;
+      case 5: f(d, std::integral_constant<int, 5>{}); break;
+      case 6: f(d, std::integral_constant<int, 6>{}); break;
+      case 7: f(d, std::integral_constant<int, 7>{}); break;
+      case 8: f(d, std::integral_constant<int, 8>{}); break;
+      default: TORCH_CHECK(false, "no fast path for group size ", G);
+    }
+  };
+  if (D == 64) with_g(std::integral_constant<int, 64>{});
+  else if (D == 128) with_g(std::integral_constant<int, 128>{});
+  else TORCH_CHECK(false, "no fast path for head_dim ", D);
+}
+
+// bf16 K/V, head_dim D (64 or 128), G query heads per kv head: AVX-512 BF16 dot products for q.k (32
+// pairs per instruction, no conversion of K), 16 tokens' scores reduced together, and blocks prefetched
+// kPrefetch ahead (blocks are scattered: 30 layers' caches of 10 x 1,200 tokens in random blocks read at
+// 21 GB/s with one block ahead, 26-28 with 4-12). p.v goes one 32-dim slice of V (one cache line per
+// row) at a time with the G heads' accumulators for that slice in registers (2G vectors: 16 at G = 8),
+// kept in L1 between blocks: all G heads' accumulators for a whole row (G x D / 16 vectors, 48 for the
+// 1.5B's 6 x 128) would not fit in the 32 vector registers.
 constexpr int64_t kPrefetch = 6;
 constexpr int64_t kTouch = 16;  // one line of the block this far ahead: its page walk and DRAM row early (+5-10%)
-template <int G>
-void decode_bf16_d64(const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache,
-                     const int64_t* table, const int64_t* ctx, at::BFloat16* out, int64_t B, int64_t H,
-                     int64_t KVH, int64_t NB, int64_t BS, int64_t max_blocks, float scale) {
-  constexpr int64_t D = 64;
+template <int D, int G>
+void decode_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache,
+                 const int64_t* table, const int64_t* ctx, at::BFloat16* out, int64_t B, int64_t H,
+                 int64_t KVH, int64_t NB, int64_t BS, int64_t max_blocks, float scale) {
+  constexpr int NC = D / 32;  // 32-dim slices of a row: bf16 vectors of q and k, cache lines of v
   const __m512 vscale = _mm512_set1_ps(scale);
   for_each_item(ctx, B, KVH, [&](int64_t idx) {
     thread_local std::vector<float> scores;
     const int64_t b = idx / KVH, h = idx % KVH, L = ctx[b];
     const int64_t* blocks = table + b * max_blocks;
     const int64_t nblocks = (L + BS - 1) / BS;
-    __m512bh qv[G][2];
-    for (int g = 0; g < G; ++g) {
-      const at::BFloat16* qg = q + (b * H + h * G + g) * D;
-      qv[g][0] = (__m512bh)_mm512_loadu_si512(qg);
-      qv[g][1] = (__m512bh)_mm512_loadu_si512(qg + 32);
-    }
-    scores.resize(G * (nblocks * BS + 16));  // room to store whole 16-token groups past L
+    const at::BFloat16* qh = q + (b * H + h * G) * D;  // the group's G query heads, contiguous
+    const int64_t stride = nblocks * BS + 16;  // room to store whole 16-token groups past L
+    scores.resize(G * stride);
     const at::BFloat16* kh = k_cache + h * NB * BS * D;
     const at::BFloat16* vh = v_cache + h * NB * BS * D;
     for (int64_t j = 0; j < nblocks; ++j) {
@@ -211,50 +229,57 @@ void decode_bf16_d64(const at::BFloat16* q, const at::BFloat16* k_cache, const a
       for (; t + 16 <= BS && t < n; t += 16) {  // 16 rows at a time (rows past n are read, never used)
         const at::BFloat16* k = kb + t * D;
         for (int g = 0; g < G; ++g) {
+          __m512bh qv[NC];
+          for (int c = 0; c < NC; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qh + g * D + 32 * c);
           __m512 acc[16];
           for (int r = 0; r < 16; ++r) {
-            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(k + r * D);
-            const __m512bh k1 = (__m512bh)_mm512_loadu_si512(k + r * D + 32);
-            acc[r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], k0), qv[g][1], k1);
+            acc[r] = _mm512_setzero_ps();
+            for (int c = 0; c < NC; ++c)
+              acc[r] = _mm512_dpbf16_ps(acc[r], qv[c], (__m512bh)_mm512_loadu_si512(k + r * D + 32 * c));
           }
-          _mm512_storeu_ps(scores.data() + g * (nblocks * BS + 16) + t0 + t, _mm512_mul_ps(hsum16(acc), vscale));
+          _mm512_storeu_ps(scores.data() + g * stride + t0 + t, _mm512_mul_ps(hsum16(acc), vscale));
         }
       }
       for (; t < n; ++t) {  // blocks smaller than 16 tokens
         const at::BFloat16* k = kb + t * D;
-        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(k), k1 = (__m512bh)_mm512_loadu_si512(k + 32);
         for (int g = 0; g < G; ++g) {
-          const __m512 acc = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], k0), qv[g][1], k1);
-          scores[g * (nblocks * BS + 16) + t0 + t] = _mm512_reduce_add_ps(acc) * scale;
+          __m512 acc = _mm512_setzero_ps();
+          for (int c = 0; c < NC; ++c)
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qh + g * D + 32 * c),
+                                   (__m512bh)_mm512_loadu_si512(k + 32 * c));
+          scores[g * stride + t0 + t] = _mm512_reduce_add_ps(acc) * scale;
         }
       }
     }
-    const int64_t stride = nblocks * BS + 16;
     for (int g = 0; g < G; ++g) softmax_inplace(scores.data() + g * stride, L);
-    __m512 acc[G][4];
+    alignas(64) float accm[G][D];
     for (int g = 0; g < G; ++g)
-      for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_setzero_ps();
+      for (int d = 0; d < D; d += 16) _mm512_store_ps(accm[g] + d, _mm512_setzero_ps());
     for (int64_t j = 0; j < nblocks; ++j) {
       const at::BFloat16* vb = vh + blocks[j] * BS * D;
       if (j + kPrefetch < nblocks) prefetch_rows(vh + blocks[j + kPrefetch] * BS * D, BS * D * 2);
       if (j + kTouch < nblocks) _mm_prefetch(reinterpret_cast<const char*>(vh + blocks[j + kTouch] * BS * D), _MM_HINT_T2);
       const int64_t t0 = j * BS, n = std::min(BS, L - t0);
-      for (int64_t t = 0; t < n; ++t) {
-        const at::BFloat16* v = vb + t * D;
-        __m512 vr[4];
-        for (int c = 0; c < 4; ++c) {
-          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * c));
-          vr[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+      for (int c = 0; c < NC; ++c) {
+        __m512 acc[G][2];
+        for (int g = 0; g < G; ++g)
+          acc[g][0] = _mm512_load_ps(accm[g] + 32 * c), acc[g][1] = _mm512_load_ps(accm[g] + 32 * c + 16);
+        for (int64_t t = 0; t < n; ++t) {
+          const at::BFloat16* v = vb + t * D + 32 * c;
+          const __m512 v0 = bf16x16_to_float(v), v1 = bf16x16_to_float(v + 16);
+          for (int g = 0; g < G; ++g) {
+            const __m512 p = _mm512_set1_ps(scores[g * stride + t0 + t]);
+            acc[g][0] = _mm512_fmadd_ps(p, v0, acc[g][0]);
+            acc[g][1] = _mm512_fmadd_ps(p, v1, acc[g][1]);
+          }
         }
-        for (int g = 0; g < G; ++g) {
-          const __m512 p = _mm512_set1_ps(scores[g * stride + t0 + t]);
-          for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_fmadd_ps(p, vr[c], acc[g][c]);
-        }
+        for (int g = 0; g < G; ++g)
+          _mm512_store_ps(accm[g] + 32 * c, acc[g][0]), _mm512_store_ps(accm[g] + 32 * c + 16, acc[g][1]);
       }
     }
     for (int g = 0; g < G; ++g) {
       at::BFloat16* o = out + (b * H + h * G + g) * D;
-      for (int c = 0; c < 4; ++c) store_bf16x16(o + 16 * c, acc[g][c]);
+      for (int d = 0; d < D; d += 16) store_bf16x16(o + d, _mm512_load_ps(accm[g] + d));
     }
   });
 }
@@ -274,7 +299,7 @@ inline __m512 exp2_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// Causal prefill attention over the paged cache (bf16, head_dim 64, block size a multiple of 16): the
+// Causal prefill attention over the paged cache (bf16, head_dim 64 or 128, block size a multiple of 16): the
 // queries of sequence p sit at positions [ctx[p] - q_len[p], ctx[p]) and attend keys up to their own
 // position, read through the block table (this step's K/V are already in the cache). Flash-style, per
 // (sequence, kv head, tile of 16 query rows) and 16 keys at a time, with the tile's rows in the 16 lanes
@@ -283,12 +308,12 @@ inline __m512 exp2_ps(__m512 x) {
 // horizontal max or sum), and p.v is AVX-512 BF16 dot products over pairs of keys, with p rounded to
 // bf16 as torch's CPU flash attention does and V interleaved by key pairs once per 16 keys for the
 // tile's G heads. The accumulators stay fp32, [head][dim][row], in L1.
-template <int G>
-void prefill_bf16_d64(const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache,
+template <int D, int G>
+void prefill_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache,
                       const int64_t* tables, int64_t max_blocks, const int64_t* q_start, const int64_t* q_len,
                       const int64_t* ctx, int64_t P, at::BFloat16* out, int64_t H, int64_t KVH, int64_t NB,
                       int64_t BS, float scale, int64_t q_row, int64_t out_row) {
-  constexpr int64_t D = 64, QT = 16;
+  constexpr int64_t QT = 16;
   struct Item { int64_t p, h, r0; };
   std::vector<Item> items;
   std::vector<int64_t> costs;
@@ -345,14 +370,12 @@ void prefill_bf16_d64(const at::BFloat16* q, const at::BFloat16* k_cache, const 
       }
       for (int tp = 0; tp < 8; ++tp) {  // keys past nk get zero V (their rows may hold anything)
         const at::BFloat16* v0 = vb + 2 * tp * D;
-        const __m512i a0 = 2 * tp < nk ? _mm512_loadu_si512(v0) : _mm512_setzero_si512();
-        const __m512i a1 = 2 * tp < nk ? _mm512_loadu_si512(v0 + 32) : _mm512_setzero_si512();
-        const __m512i b0 = 2 * tp + 1 < nk ? _mm512_loadu_si512(v0 + D) : _mm512_setzero_si512();
-        const __m512i b1 = 2 * tp + 1 < nk ? _mm512_loadu_si512(v0 + D + 32) : _mm512_setzero_si512();
-        _mm512_store_si512(vi[tp], _mm512_permutex2var_epi16(a0, vlo, b0));
-        _mm512_store_si512(vi[tp] + 16, _mm512_permutex2var_epi16(a0, vhi, b0));
-        _mm512_store_si512(vi[tp] + 32, _mm512_permutex2var_epi16(a1, vlo, b1));
-        _mm512_store_si512(vi[tp] + 48, _mm512_permutex2var_epi16(a1, vhi, b1));
+        for (int c = 0; c < D / 32; ++c) {  // dims 32c .. 32c+31 of keys 2tp and 2tp+1, interleaved
+          const __m512i a = 2 * tp < nk ? _mm512_loadu_si512(v0 + 32 * c) : _mm512_setzero_si512();
+          const __m512i b = 2 * tp + 1 < nk ? _mm512_loadu_si512(v0 + D + 32 * c) : _mm512_setzero_si512();
+          _mm512_store_si512(vi[tp] + 32 * c, _mm512_permutex2var_epi16(a, vlo, b));
+          _mm512_store_si512(vi[tp] + 32 * c + 16, _mm512_permutex2var_epi16(a, vhi, b));
+        }
       }
       const bool causal = j0 + 15 > first_pos;  // some key of this chunk lies past some row's position
       for (int g = 0; g < G; ++g) {
@@ -399,7 +422,7 @@ void prefill_bf16_d64(const at::BFloat16* q, const at::BFloat16* k_cache, const 
       for (int64_t i = 0; i < rows; ++i) {
         at::BFloat16* o = out + (q_start[p] + r0 + i) * out_row + (h * G + g) * D;
         const __m512 vinv = _mm512_set1_ps(inv[i]);
-        for (int c = 0; c < 4; ++c) {
+        for (int c = 0; c < D / 16; ++c) {
           const __m512 v = _mm512_i32gather_ps(_mm512_add_epi32(dim_rows, _mm512_set1_epi32(static_cast<int32_t>(16 * c * QT + i))), &acc[g][0][0], 4);
           store_bf16x16(o + 16 * c, _mm512_mul_ps(v, vinv));
         }
@@ -410,6 +433,20 @@ void prefill_bf16_d64(const at::BFloat16* q, const at::BFloat16* k_cache, const 
 #endif
 
 }  // namespace
+
+// Whether paged_decode / paged_prefill take their AVX-512 BF16 path for these shapes (bf16 tensors,
+// contiguous caches); otherwise decode runs the portable loop above and prefill returns false.
+bool decode_fast_path(bool bf16, int64_t H, int64_t KVH, int64_t D) {
+#ifdef PDSERVE_HAVE_AVX512BF16
+  return bf16 && KVH > 0 && H % KVH == 0 && is_fast_shape(H / KVH, D);
+#else
+  return false;
+#endif
+}
+
+bool prefill_fast_path(bool bf16, int64_t H, int64_t KVH, int64_t D, int64_t BS) {
+  return decode_fast_path(bf16, H, KVH, D) && BS % 16 == 0;
+}
 
 // q [B, H, D]; k_cache, v_cache [KVH, NB, BS, D] (contiguous); table [B, max_blocks] int64;
 // context_lens [B] int64 (>= 1). Returns [B, H, D] in q's dtype.
@@ -427,12 +464,12 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   TORCH_CHECK(H % KVH == 0 && k_cache.size(3) == D, "head layout mismatch");
   auto out = torch::empty_like(q);
 #ifdef PDSERVE_HAVE_AVX512BF16
-  if (q.scalar_type() == torch::kBFloat16 && D == 64 && H / KVH <= 4) {
+  if (decode_fast_path(q.scalar_type() == torch::kBFloat16, H, KVH, D)) {
     auto args = std::make_tuple(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
                                 v_cache.data_ptr<at::BFloat16>(), table.data_ptr<int64_t>(),
                                 context_lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), B, H, KVH, NB, BS,
                                 table.size(1), static_cast<float>(scale));
-    with_group_size(H / KVH, [&](auto g) { std::apply(decode_bf16_d64<decltype(g)::value>, args); });
+    with_shape(H / KVH, D, [&](auto d, auto g) { std::apply(decode_bf16<decltype(d)::value, decltype(g)::value>, args); });
     return out;
   }
 #endif
@@ -461,8 +498,8 @@ bool paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
 #ifdef PDSERVE_HAVE_AVX512BF16
   const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(0), BS = k_cache.size(2);
   const auto rows_ok = [&](const torch::Tensor& t) { return t.stride(2) == 1 && t.stride(1) == D && t.stride(0) % 2 == 0; };
-  if (q.scalar_type() != torch::kBFloat16 || out.scalar_type() != torch::kBFloat16 || D != 64 || H % KVH ||
-      H / KVH > 4 || BS % 16 || !rows_ok(q) || !rows_ok(out) || !k_cache.is_contiguous() || !v_cache.is_contiguous())
+  if (!prefill_fast_path(q.scalar_type() == torch::kBFloat16, H, KVH, D, BS) || out.scalar_type() != torch::kBFloat16 ||
+      !rows_ok(q) || !rows_ok(out) || !k_cache.is_contiguous() || !v_cache.is_contiguous())
     return false;
   tables = tables.to(torch::kInt64).contiguous();
   q_start = q_start.to(torch::kInt64).contiguous();
@@ -473,7 +510,7 @@ bool paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
                               q_start.data_ptr<int64_t>(), q_len.data_ptr<int64_t>(), ctx.data_ptr<int64_t>(),
                               tables.size(0), out.data_ptr<at::BFloat16>(), H, KVH, k_cache.size(1), BS,
                               static_cast<float>(scale), q.stride(0), out.stride(0));
-  with_group_size(H / KVH, [&](auto g) { std::apply(prefill_bf16_d64<decltype(g)::value>, args); });
+  with_shape(H / KVH, D, [&](auto d, auto g) { std::apply(prefill_bf16<decltype(d)::value, decltype(g)::value>, args); });
   return true;
 #else
   return false;
@@ -516,4 +553,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
   m.def("paged_prefill", &paged_prefill, "paged causal prefill attention (CPU, bf16)");
   m.def("write_kv", &write_kv, "new K/V rows into the paged caches by slot");
+  m.def("decode_fast_path", &decode_fast_path, "whether paged_decode has an AVX-512 BF16 path for (bf16, H, KVH, D)");
+  m.def("prefill_fast_path", &prefill_fast_path, "whether paged_prefill has a fast path for (bf16, H, KVH, D, BS)");
 }
