@@ -12,7 +12,7 @@ from gguf.quants import dequantize, quantize
 from pdserve.config import ModelConfig
 from pdserve.errors import ModelLoadError
 from pdserve.model.loader import load_model_config, load_weights
-from tests.integration.test_loader import TINY, TINY_HEAD_DIM, gguf_name, tiny_hf_weights, write_hf_dir
+from tests.support.loader_files import TINY, TINY_HEAD_DIM, gguf_name, tiny_hf_weights, write_hf_dir
 
 Q = gguf.GGMLQuantizationType
 BIAS_TO_GGUF = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v"}

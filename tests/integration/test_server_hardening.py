@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import socket
-import time
 
 import httpx
 import msgspec

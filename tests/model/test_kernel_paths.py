@@ -47,7 +47,7 @@ def test_start_log_names_the_fast_kernels(caplog, cpu_paged):
     text = "\n".join(r.getMessage() for r in records)
     assert "attention cpu-paged: decode C++ AVX-512 BF16 (head_dim 64, 7 query heads per kv head)" in text
     assert "prefill C++ AVX-512 BF16 flash" in text
-    assert "linear kernels:" in text and "fused CPU ops:" in text
+    assert "bf16 linear kernels by row count" in text and "fused CPU ops:" in text
     assert not [r for r in records if r.levelno >= logging.WARNING and "attention" in r.getMessage()]
 
 

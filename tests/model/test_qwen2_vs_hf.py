@@ -10,7 +10,7 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.config import ModelConfig
 from pdserve.model.llama import LlamaModel, random_weights
-from tests.conftest import random_prompts
+from tests.support.tiny import random_prompts
 
 transformers = pytest.importorskip("transformers")
 
