@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.errors import InvalidRequestError, SLORejectedError
 from pdserve.outputs import RequestOutput
@@ -39,12 +39,16 @@ class LLM:
         fused_cpu_ops: bool = True,
         linear_kernel: str = "auto",
         seed: int = 0,
+        speculative_config: dict[str, object] | SpeculativeConfig | None = None,
         model_config: ModelConfig | None = None,
         weights: dict | None = None,
         tokenizer: object | None = None,
     ) -> None:
         """`model` is a .gguf file or a Hugging Face directory (None: the bundled SmolLM2-135M-Instruct).
-        `model_config` + `weights` (+ `tokenizer`) build an engine from in-memory weights instead (tests)."""
+        `model_config` + `weights` (+ `tokenizer`) build an engine from in-memory weights instead (tests).
+        `speculative_config`: speculative decoding in vLLM's convention (see `SpeculativeConfig`)."""
+        if isinstance(speculative_config, dict):
+            speculative_config = SpeculativeConfig.from_dict(speculative_config)
         config = EngineConfig(
             model=model,
             dtype=dtype,
@@ -54,6 +58,7 @@ class LLM:
             fused_cpu_ops=fused_cpu_ops,
             linear_kernel=linear_kernel,
             seed=seed,
+            speculative=speculative_config,
             cache=CacheConfig(block_size, num_blocks, kv_cache_memory_gb, enable_prefix_caching, swap_space_gb),
             scheduler=SchedulerConfig(
                 scheduler, max_num_batched_tokens, max_num_seqs, max_model_len, chunk_size, preemption_mode
