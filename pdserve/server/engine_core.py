@@ -255,6 +255,7 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
     """The engine's gauges and cumulative counters as sent to the front with every output message."""
     sched, bm = engine.scheduler, engine.block_manager
     slo = sched.policy if isinstance(sched.policy, SLOAware) else None
+    spec = engine.spec_decode_stats
     return EngineStats(
         sched.num_running,
         sched.num_waiting,
@@ -268,4 +269,8 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         sched.num_swapped,
         sched.num_swapped_out_blocks,
         sched.num_swapped_in_blocks,
+        spec.num_drafts if spec is not None else 0,
+        spec.num_draft_tokens if spec is not None else 0,
+        spec.num_accepted_tokens if spec is not None else 0,
+        tuple(spec.accepted_per_pos) if spec is not None else (),
     )
