@@ -58,6 +58,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "torch-compiled", "cpu-paged"])
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--speculative-config", default=None, metavar="JSON",
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\'',
+    )
     g.add_argument("--no-fused-ops", action="store_true",
                    help="bf16 on CPU: keep the layer's elementwise steps as plain torch ops")
     g.add_argument("--linear-kernel", default="auto", choices=["auto", "pdserve", "onednn", "torch"],
@@ -117,7 +122,7 @@ def kv_transfer_config(args: argparse.Namespace):  # type: ignore[no-untyped-def
 
 def engine_config(args: argparse.Namespace, num_threads: int | None = None):  # type: ignore[no-untyped-def]
     """The engine part of the command line, for `generate`, `chat` and `serve` alike."""
-    from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 
     return EngineConfig(
         model=args.model,
@@ -130,6 +135,10 @@ def engine_config(args: argparse.Namespace, num_threads: int | None = None):  # 
         batch_invariant=args.batch_invariant,
         kernel_cache_dir=args.kernel_cache_dir,
         seed=args.seed,
+        speculative=(
+            SpeculativeConfig.from_dict(args.speculative_config)
+            if getattr(args, "speculative_config", None) else None
+        ),
         cache=CacheConfig(
             args.block_size, None, args.kv_cache_memory_gb, not args.no_prefix_caching, args.swap_space
         ),

@@ -146,6 +146,67 @@ class KVTransferConfig:
                 raise ValueError(f"unknown KV transfer backend {self.backend!r}; choose from {sorted(TRANSPORTS)}")
 
 
+SPEC_METHODS = ("ngram",)  # "draft" (a smaller model of the same tokenizer) comes next
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding, in vLLM's `--speculative-config` convention (docs/speculative.md).
+
+    `ngram`: prompt lookup, the last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`)
+    matched against the request's earlier tokens, the tokens that followed proposed as drafts.
+    Each request's speculation length adapts (0..num_speculative_tokens) to its measured acceptance;
+    steps of more than `disable_by_batch_size` requests or `disable_by_num_tokens` tokens propose none (verification is no longer nearly
+    free once the step is compute-bound)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    model: str | None = None  # the draft model ("draft" method; not implemented yet)
+    disable_by_batch_size: int = 32
+    disable_by_num_tokens: int = 512  # ... or steps of more tokens (prompt chunks, decodes and drafts)
+    # Adaptivity: a request's acceptance rate a (EMA over its verified drafts, weight `acceptance_ema`)
+    # sets its length to the largest k with a**k >= min_draft_acceptance (the k-th draft is accepted
+    # with probability about a**k); at least 1 while it is worth probing.
+    acceptance_ema: float = 0.3
+    min_draft_acceptance: float = 0.25
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(
+                f"unknown speculative method {self.method!r}; choose from {list(SPEC_METHODS)}"
+                + (" (the draft-model proposer is not implemented yet)" if self.method == "draft" else "")
+            )
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be an integer >= 1")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.disable_by_batch_size < 1 or self.disable_by_num_tokens < 1:
+            raise ValueError("disable_by_batch_size and disable_by_num_tokens must be >= 1")
+        if not (0.0 < self.acceptance_ema <= 1.0 and 0.0 < self.min_draft_acceptance < 1.0):
+            raise ValueError("acceptance_ema must be in (0, 1] and min_draft_acceptance in (0, 1)")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, object] | str) -> SpeculativeConfig:
+        """From the CLI's JSON or `LLM(speculative_config=...)`; unknown keys are an error."""
+        import json
+
+        if isinstance(d, str):
+            try:
+                d = json.loads(d)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ValueError("the speculative config must be a JSON object")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative config keys {unknown}; known: {sorted(known)}")
+        return cls(**d)  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str | None = None  # path to a .gguf file or a Hugging Face directory; None: bundled SmolLM2
@@ -163,6 +224,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     seed: int = 0
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     @property
     def autotune_dir(self) -> str | None:

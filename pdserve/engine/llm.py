@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.errors import InvalidRequestError, SLORejectedError
 from pdserve.outputs import RequestOutput
@@ -41,12 +41,16 @@ class LLM:
         batch_invariant: bool = False,
         kernel_cache_dir: str | None = None,
         seed: int = 0,
+        speculative_config: dict[str, object] | SpeculativeConfig | None = None,
         model_config: ModelConfig | None = None,
         weights: dict | None = None,
         tokenizer: object | None = None,
     ) -> None:
         """`model` is a .gguf file or a Hugging Face directory (None: the bundled SmolLM2-135M-Instruct).
-        `model_config` + `weights` (+ `tokenizer`) build an engine from in-memory weights instead (tests)."""
+        `model_config` + `weights` (+ `tokenizer`) build an engine from in-memory weights instead (tests).
+        `speculative_config`: speculative decoding in vLLM's convention (see `SpeculativeConfig`)."""
+        if isinstance(speculative_config, dict):
+            speculative_config = SpeculativeConfig.from_dict(speculative_config)
         config = EngineConfig(
             model=model,
             dtype=dtype,
@@ -58,6 +62,7 @@ class LLM:
             batch_invariant=batch_invariant,
             kernel_cache_dir=kernel_cache_dir,
             seed=seed,
+            speculative=speculative_config,
             cache=CacheConfig(block_size, num_blocks, kv_cache_memory_gb, enable_prefix_caching, swap_space_gb),
             scheduler=SchedulerConfig(
                 scheduler, max_num_batched_tokens, max_num_seqs, max_model_len, chunk_size, preemption_mode

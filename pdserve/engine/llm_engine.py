@@ -19,6 +19,7 @@ from pdserve.kv.cache import KVCache, kv_block_bytes
 from pdserve.model.llama import LlamaModel
 from pdserve.runner.model_runner import ModelRunner
 from pdserve.scheduler import Scheduler, make_policy
+from pdserve.spec import SpecDecodeStats, SpeculativeExecutor
 from pdserve.transfer.base import KVLayout, KVTransport
 from pdserve.transfer.registry import transport_class
 
@@ -119,6 +120,11 @@ class LLMEngine(EngineLoop):
             connector=self._make_connector(kv_transport),
             role=config.kv_transfer.role,
         )
+        self.spec_executor: SpeculativeExecutor | None = None
+        if config.speculative is not None:
+            # The runner verifies the drafts a step carries; the wrapper proposes the next ones.
+            self.spec_executor = SpeculativeExecutor(self.executor, config.speculative)
+            self.executor = self.spec_executor
         logger.info(
             "engine ready in %.1fs: %s, %s on %s, %d KV blocks x %d tokens (%.2f GiB), %d host blocks, "
             "policy %s, preemption %s, attention %s",
@@ -130,6 +136,11 @@ class LLMEngine(EngineLoop):
     def runner(self) -> ModelRunner:
         """The loop's executor: the model runner (replacing it replaces what runs every step)."""
         return self.executor  # type: ignore[return-value]
+
+    @property
+    def spec_decode_stats(self) -> SpecDecodeStats | None:
+        """Speculative decoding's counters (None without speculation)."""
+        return self.spec_executor.stats if self.spec_executor is not None else None
 
     @runner.setter
     def runner(self, runner: ModelRunner) -> None:

@@ -20,7 +20,7 @@ from pdserve.attention.base import AttentionBackend, AttentionMetadata, DecodeGr
 from pdserve.batch import BatchRequest, ModelOutput
 from pdserve.kv.cache import KVCache
 from pdserve.model.llama import LlamaModel
-from pdserve.request import Request
+from pdserve.request import Request, SamplingParams
 from pdserve.runner.sampler import Sampler, SamplingMetadata
 from pdserve.scheduler.scheduler import SchedulerOutput
 
@@ -65,8 +65,6 @@ class ModelRunner:
         """Run one step. `after_layer(i)` is called once layer i's K/V are in the cache."""
         t0 = time.perf_counter()
         batch = out.to_batch()
-        # No proposer or verifier here yet: draft tokens come only from executors that verify them.
-        assert not any(r.num_spec_tokens for r in batch.requests), "ModelRunner does not verify draft tokens"
         # Decodes first, by context length (so similar lengths share a padded attention group).
         scheduled = sorted(batch.requests, key=_layout_key)
         input_ids, positions, meta, last_index = self._prepare(scheduled)
@@ -77,17 +75,19 @@ class ModelRunner:
         sampling = batch.sampling
         if not sampling:
             return ModelOutput([], [], time.perf_counter() - t0)
-        rows = torch.tensor([flat_pos[id(r)] for r in sampling], device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
-        params = [r.params for r in sampling]
-        gens: dict[int, torch.Generator] = {}
-        for row, r in enumerate(sampling):
+        gens: dict[int, torch.Generator] = {}  # sampling request -> its generator, when seeded
+        for i, r in enumerate(sampling):
             if r.params.seed is not None:
                 g = self._generators.get(r.req_id)
                 if g is None:
                     g = torch.Generator(device=self.device).manual_seed(r.params.seed)
                     self._generators[r.req_id] = g
-                gens[row] = g
+                gens[i] = g
+        if any(r.num_spec_tokens for r in sampling):
+            return self._verify(sampling, hidden, flat_pos, gens, t0)
+        rows = torch.tensor([flat_pos[id(r)] for r in sampling], device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        params = [r.params for r in sampling]
         md = SamplingMetadata.from_params(params, gens, self.vocab_size, self.device)
         so = self.sampler(logits, md)
         token_ids = [[t] for t in so.token_ids.tolist()]
@@ -97,6 +97,43 @@ class ModelRunner:
             for row, p in enumerate(params):
                 if p.logprobs is not None:
                     logprobs[row] = [dict(zip(ids[row][: p.logprobs + 1], lp[row][: p.logprobs + 1]))]
+        return ModelOutput(token_ids, logprobs, time.perf_counter() - t0)
+
+    def _verify(
+        self,
+        sampling: list[BatchRequest],
+        hidden: torch.Tensor,
+        flat_pos: dict[int, int],
+        gens: dict[int, torch.Generator],
+        t0: float,
+    ) -> ModelOutput:
+        """A step with draft tokens: each sampling request's last k + 1 positions (its last known token
+        and its k drafts, run like a short prompt chunk) give the logits the drafts are checked against."""
+        rows: list[int] = []
+        params: list[SamplingParams] = []
+        drafts: list[int] = []
+        for r in sampling:
+            k, last = r.num_spec_tokens, flat_pos[id(r)]
+            rows.extend(range(last - k, last + 1))
+            params.extend([r.params] * (k + 1))
+            drafts.extend(r.token_ids[len(r.token_ids) - k :])
+        logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(rows, device=self.device)))
+        md = SamplingMetadata.from_params(params, {}, self.vocab_size, self.device)
+        num_drafts = [r.num_spec_tokens for r in sampling]
+        token_ids, final_rows = self.sampler.verify(logits, md, num_drafts, drafts, gens)
+        logprobs: list[list[dict[int, float]] | None] = [None] * len(sampling)
+        if md.max_num_logprobs is not None:
+            raw = torch.log_softmax(logits.to(torch.float32), dim=-1)
+            top_lp, top_ids = raw.topk(min(md.max_num_logprobs, raw.shape[-1]), dim=-1)
+            for i, r in enumerate(sampling):
+                n = r.params.logprobs
+                if n is None:
+                    continue
+                first = final_rows[i] - (len(token_ids[i]) - 1)
+                logprobs[i] = [
+                    {t: float(raw[first + j, t]), **dict(zip(top_ids[first + j, :n].tolist(), top_lp[first + j, :n].tolist()))}
+                    for j, t in enumerate(token_ids[i])
+                ]
         return ModelOutput(token_ids, logprobs, time.perf_counter() - t0)
 
     def _prepare(self, scheduled: list[BatchRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:

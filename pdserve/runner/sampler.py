@@ -99,7 +99,89 @@ class Sampler:
             logprob_token_ids=torch.cat([sampled, top_ids], dim=-1),
         )
 
+    def verify(
+        self,
+        logits: torch.Tensor,
+        md: SamplingMetadata,
+        num_drafts: list[int],
+        draft_ids: list[int],
+        generators: dict[int, torch.Generator],
+    ) -> tuple[list[list[int]], list[int]]:
+        """Verify draft tokens proposed with q = 1 (n-gram): request i owns k_i + 1 consecutive rows of
+        `logits` (row j: the distribution of the token after its j-th input token) and the next k_i of
+        `draft_ids`; `md` is per row, `generators` per request. Returns each request's accepted drafts
+        plus one token of its own, and the rows those tokens came from.
+
+        Greedy requests accept the drafts equal to the argmax, then take the argmax. Random ones use
+        rejection sampling, so each token is distributed exactly as without speculation: draft d is
+        accepted with probability p(d) (p after temperature, top-k, top-p, min-p); on rejection the token
+        is drawn from p with d removed (norm(max(p - onehot(d), 0))); when all k pass, a bonus token is
+        drawn from the last row. A request draws k + 1 uniform numbers from its own generator (k tests,
+        one final draw), so with k = 0 it makes exactly the draw of `__call__`."""
+        logits = logits.to(torch.float32)
+        greedy_ids = logits.argmax(dim=-1).tolist()
+        starts, d_starts = [0], [0]
+        for k in num_drafts:
+            starts.append(starts[-1] + k + 1)
+            d_starts.append(d_starts[-1] + k)
+        greedy_req = [True] * len(num_drafts)
+        accept_random: list[bool] = []
+        probs = u = None
+        if not md.all_greedy:
+            temps = md.temperature.tolist()
+            greedy_req = [temps[starts[i]] == 0.0 for i in range(len(num_drafts))]
+            probs = self._probs(logits, md)
+            u = torch.rand(logits.shape[0], device=logits.device, generator=self.generator)
+            for i, gen in generators.items():
+                u[starts[i] : starts[i + 1]] = torch.rand(num_drafts[i] + 1, device=logits.device, generator=gen)
+            draft_rows = [starts[i] + j for i, k in enumerate(num_drafts) for j in range(k)]
+            if draft_rows:
+                rows_t = torch.tensor(draft_rows, device=logits.device)
+                ids_t = torch.tensor(draft_ids, device=logits.device)
+                p_draft = probs[rows_t, ids_t] / probs[rows_t].sum(dim=-1)
+                accept_random = (u[rows_t] < p_draft).tolist()
+        accepted: list[list[int]] = []
+        final_rows: list[int] = []
+        for i, k in enumerate(num_drafts):
+            s, ds = starts[i], d_starts[i]
+            m = 0
+            if greedy_req[i]:
+                while m < k and draft_ids[ds + m] == greedy_ids[s + m]:
+                    m += 1
+            else:
+                while m < k and accept_random[ds + m]:
+                    m += 1
+            accepted.append(draft_ids[ds : ds + m])
+            final_rows.append(s + m)
+        if probs is None or u is None:
+            return [a + [greedy_ids[r]] for a, r in zip(accepted, final_rows)], final_rows
+        random_reqs = [i for i in range(len(num_drafts)) if not greedy_req[i]]
+        final: dict[int, int] = {}
+        if random_reqs:
+            rows = [final_rows[i] for i in random_reqs]
+            dist = probs[torch.tensor(rows, device=logits.device)]
+            for n, i in enumerate(random_reqs):
+                m = len(accepted[i])
+                if m < num_drafts[i]:  # rejected: the residual excludes the rejected draft
+                    dist[n, draft_ids[d_starts[i] + m]] = 0.0
+            last_u = u[torch.tensor([starts[i + 1] - 1 for i in random_reqs], device=logits.device)]
+            cdf = dist.cumsum(dim=-1)
+            idx = torch.searchsorted(cdf, last_u.unsqueeze(-1) * cdf[:, -1:], right=True)
+            idx = idx.clamp_max_(dist.shape[-1] - 1).squeeze(-1).tolist()
+            # A residual of no mass (p(d) rounded to 1, then rejected): keep the row's most likely token.
+            empty = (cdf[:, -1] <= 0).tolist()
+            for n, i in enumerate(random_reqs):
+                final[i] = greedy_ids[final_rows[i]] if empty[n] else idx[n]
+        tokens = [
+            accepted[i] + [final[i] if i in final else greedy_ids[final_rows[i]]] for i in range(len(num_drafts))
+        ]
+        return tokens, final_rows
+
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        return self._inverse_cdf(self._probs(logits, md), md.generators)
+
+    def _probs(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """The rows' sampling distributions (unnormalised after min-p)."""
         # Greedy rows are divided by 1 so they stay finite; their draw is discarded by the caller.
         temperature = torch.where(md.temperature == 0.0, 1.0, md.temperature)
         logits = logits / temperature.unsqueeze(-1)
@@ -109,7 +191,7 @@ class Sampler:
         if md.min_p is not None:
             threshold = md.min_p.unsqueeze(-1) * probs.amax(dim=-1, keepdim=True)
             probs = probs.masked_fill(probs < threshold, 0.0)
-        return self._inverse_cdf(probs, md.generators)
+        return probs
 
     def _inverse_cdf(self, probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
         """Inverse-CDF sampling: one uniform number per row, located in the row's cumulative (unnormalised)

@@ -295,6 +295,7 @@ def engine_stats(engine: LLMEngine, num_dropped_front_messages: int = 0) -> Engi
     sched, bm = engine.scheduler, engine.block_manager
     connector = engine.connector
     slo = sched.policy if isinstance(sched.policy, SLOAware) else None
+    spec = engine.spec_decode_stats
     return EngineStats(
         sched.num_running,
         sched.num_waiting,
@@ -310,4 +311,8 @@ def engine_stats(engine: LLMEngine, num_dropped_front_messages: int = 0) -> Engi
         sched.num_swapped_in_blocks,
         connector.transport.dropped.count if connector is not None else 0,
         num_dropped_front_messages,
+        spec.num_drafts if spec is not None else 0,
+        spec.num_draft_tokens if spec is not None else 0,
+        spec.num_accepted_tokens if spec is not None else 0,
+        tuple(spec.accepted_per_pos) if spec is not None else (),
     )

@@ -94,6 +94,12 @@ class EngineStats(msgspec.Struct, array_like=True):
     # from the front.
     num_dropped_kv_messages: int = 0
     num_dropped_front_messages: int = 0
+    # Speculative decoding (cumulative; pdserve.spec.SpecDecodeStats): verification steps with drafts,
+    # draft tokens run, drafts accepted, and accepted drafts by position.
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 class TransferStats(msgspec.Struct, array_like=True):

@@ -221,6 +221,15 @@ class ServerMetrics:
             registry=r,
         )
         self.dropped = {c: dropped.labels(model_name, c) for c in ("kv", "front_to_core", "core_to_front")}
+        self.spec_drafts = counter("pdserve:spec_decode_num_drafts", "Verification steps that ran drafts.")
+        self.spec_draft_tokens = counter("pdserve:spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted_tokens = counter("pdserve:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._spec_accepted_per_pos = Counter(
+            "pdserve:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft.",
+            [*label, "position"],
+            registry=r,
+        )
         # Plain totals for the stats log (counters cannot be read back cheaply).
         self.total_prompt_tokens = 0
         self.total_generation_tokens = 0
@@ -250,6 +259,13 @@ class ServerMetrics:
         self.dropped["front_to_core"].inc(
             max(0, stats.num_dropped_front_messages - last.num_dropped_front_messages)
         )
+        self.spec_drafts.inc(max(0, stats.num_spec_drafts - last.num_spec_drafts))
+        self.spec_draft_tokens.inc(max(0, stats.num_spec_draft_tokens - last.num_spec_draft_tokens))
+        self.spec_accepted_tokens.inc(max(0, stats.num_spec_accepted_tokens - last.num_spec_accepted_tokens))
+        for pos, n in enumerate(stats.spec_accepted_per_pos):
+            before = last.spec_accepted_per_pos[pos] if pos < len(last.spec_accepted_per_pos) else 0
+            if n > before:
+                self._spec_accepted_per_pos.labels(self._model_name, str(pos)).inc(n - before)
         if stats.step_model_coefficients is not None:
             for term, value in zip(_STEP_MODEL_TERMS, stats.step_model_coefficients):
                 self._step_model_coefficient.labels(self._model_name, term).set(value)
