@@ -208,7 +208,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from pdserve.config import ModelConfig
     from pdserve.server.api import serve
-    from pdserve.server.config import RandomModelSpec, ServerConfig
+    from pdserve.config import RandomModelSpec, ServerConfig
 
     if args.log_level.upper() == "WARNING":  # the default: a server should say what it is doing
         logging.getLogger("pdserve").setLevel(logging.INFO)

@@ -891,7 +891,7 @@ def serve_router(config: RouterConfig) -> None:
     # uvicorn shuts down gracefully on SIGINT/SIGTERM and then raises the signal again for the handler
     # that was there before it; that one only has to let the process exit normally.
     previous = {sig: signal.signal(sig, _after_shutdown) for sig in (signal.SIGINT, signal.SIGTERM)}
-    from pdserve.server.config import KEEP_ALIVE_S  # idle connections outlive clients' pool timeouts
+    from pdserve.config import KEEP_ALIVE_S  # idle connections outlive clients' pool timeouts
 
     uv = uvicorn.Config(
         app, host=config.host, port=config.port, log_level="info", access_log=config.access_log, lifespan="on",

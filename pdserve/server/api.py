@@ -37,7 +37,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.server.chat import ChatEncoder
-from pdserve.server.config import KEEP_ALIVE_S, ServerConfig
+from pdserve.config import KEEP_ALIVE_S, ServerConfig
 from pdserve.server.engine_client import EngineClient, EngineDeadError, OverloadedError
 from pdserve.server.guards import (
     check_api_key,

@@ -31,7 +31,7 @@ import zmq.asyncio
 
 from pdserve.errors import PdserveError
 from pdserve.request import SamplingParams
-from pdserve.server.config import ServerConfig
+from pdserve.config import ServerConfig
 from pdserve.server.engine_core import CoreAddresses, run_engine_core
 from pdserve.server.messages import (
     AbortRequests,

@@ -27,7 +27,7 @@ import zmq
 from pdserve.disagg.connector import RemoteDecode, RemotePrefill
 from pdserve.errors import InvalidRequestError, SLORejectedError
 from pdserve.scheduler.policies import SLOAware
-from pdserve.server.config import ServerConfig
+from pdserve.config import ServerConfig
 from pdserve.server.messages import (
     AbortRequests,
     AddRequest,

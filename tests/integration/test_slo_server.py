@@ -83,7 +83,7 @@ def test_front_answers_503_slo_rejected() -> None:
     from prometheus_client import generate_latest
 
     from pdserve.server.api import Server
-    from pdserve.server.config import ServerConfig
+    from pdserve.config import ServerConfig
 
     server = Server(ServerConfig())
     err = server.error_of(RequestDelta("r", [], "", "error", error="predicted 900 ms", rejected=True))
