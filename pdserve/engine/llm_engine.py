@@ -23,7 +23,7 @@ import torch
 
 from pdserve.attention.base import AttentionBackend, get_attention_backend
 from pdserve.config import EngineConfig, ModelConfig
-from pdserve.disagg.connector import KVConnector, RemoteDecode, RemotePrefill
+from pdserve.transfer.connector import KVConnector, RemoteDecode, RemotePrefill
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.errors import InvalidRequestError
 from pdserve.kv.block_manager import BlockManager, HostBlockPool

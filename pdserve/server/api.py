@@ -46,7 +46,7 @@ from pdserve.server.guards import (
     guarded_h11,
     read_body,
 )
-from pdserve.server.messages import KVTransferParams, Ready, RequestDelta
+from pdserve.engine.process.messages import KVTransferParams, Ready, RequestDelta
 from pdserve.server.metrics import ServerMetrics, StatsLogger
 from pdserve.server.protocol import (
     MAX_LOGPROBS,

@@ -1,7 +1,7 @@
 """The prefill/decode router over real HTTP on 127.0.0.1, against fake prefill and decode instances.
 
 The fakes are small FastAPI apps, each served by uvicorn in a thread, that speak the instance protocol
-(`pdserve/disagg/router.py`): a fake decode instance answers with a KV reservation header and produces
+(`pdserve/router/app.py`): a fake decode instance answers with a KV reservation header and produces
 its body only once the fake prefill instance it was paired with has "transferred" the KV (a set shared by
 the fakes, keyed by transfer id). Each fake records the bodies it received and whether the router hung
 up on it. Behaviours that fail (an error status, a dropped connection, a hang) are switched per test.
@@ -28,14 +28,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.cli import main as cli_main
-from pdserve.disagg.policies import (
+from pdserve.router.policies import (
     Instance,
     LeastKVUsage,
     LeastOutstandingTokens,
     RoundRobin,
     make_policy,
 )
-from pdserve.disagg.router import KV_RESERVATION_HEADER, RouterConfig, build_router_app
+from pdserve.router.app import KV_RESERVATION_HEADER, RouterConfig, build_router_app
 from pdserve.server.launcher import free_port
 
 HOST = "127.0.0.1"

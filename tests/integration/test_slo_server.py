@@ -15,8 +15,8 @@ import zmq
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.request import SamplingParams
-from pdserve.server.engine_core import CoreAddresses, EngineCore
-from pdserve.server.messages import AddRequest, CoreMessage, EngineOutputs, Ready, RequestDelta, Shutdown
+from pdserve.engine.process.core import CoreAddresses, EngineCore
+from pdserve.engine.process.messages import AddRequest, CoreMessage, EngineOutputs, Ready, RequestDelta, Shutdown
 from tests.conftest import TINY
 
 

@@ -44,7 +44,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from pdserve.disagg.policies import (
+from pdserve.router.policies import (
     DEFAULT_DECODE_POLICY,
     DEFAULT_PREFILL_POLICY,
     ROLES,
