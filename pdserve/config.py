@@ -49,6 +49,11 @@ class CacheConfig:
 
 
 PREEMPTION_MODES = ("recompute", "swap")
+# The names config accepts for the registries that live further up (scheduler/policies.py's POLICIES,
+# transfer/registry.py's TRANSPORTS): spelled here so config imports nothing above it; a unit test
+# (tests/unit/test_layering.py) holds each registry's keys equal to these.
+SCHEDULER_POLICIES = ("prefill-first", "chunked", "decode-priority", "slo")
+KV_TRANSFER_BACKENDS = ("inproc", "shm", "tcp", "torch.distributed")
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,10 +101,8 @@ class SchedulerConfig:
         prior = self.slo_step_model_prior
         if prior is not None and (len(prior) != 4 or any(not v >= 0 for v in prior)):
             raise ValueError(f"slo_step_model_prior must be 4 non-negative numbers, got {prior!r}")
-        from pdserve.scheduler.policies import POLICIES  # pure Python, no cycle
-
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown scheduler policy {self.policy!r}; choose from {sorted(POLICIES)}")
+        if self.policy not in SCHEDULER_POLICIES:
+            raise ValueError(f"unknown scheduler policy {self.policy!r}; choose from {sorted(SCHEDULER_POLICIES)}")
 
 
 ROLES = ("both", "prefill", "decode")
@@ -126,11 +129,8 @@ class KVTransferConfig:
             raise ValueError(f"role {self.role!r} needs a KV transfer backend")
         if self.ack_timeout_s <= 0 or self.lease_s <= 0:
             raise ValueError("ack_timeout_s and lease_s must be > 0")
-        if self.backend is not None:
-            from pdserve.transfer.registry import TRANSPORTS  # no torch
-
-            if self.backend not in TRANSPORTS:
-                raise ValueError(f"unknown KV transfer backend {self.backend!r}; choose from {sorted(TRANSPORTS)}")
+        if self.backend is not None and self.backend not in KV_TRANSFER_BACKENDS:
+            raise ValueError(f"unknown KV transfer backend {self.backend!r}; choose from {sorted(KV_TRANSFER_BACKENDS)}")
 
 
 @dataclass(frozen=True, slots=True)
