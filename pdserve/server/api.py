@@ -36,8 +36,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from pdserve.server.chat import ChatEncoder
 from pdserve.config import KEEP_ALIVE_S, ServerConfig
+from pdserve.engine.process.messages import KVTransferParams, Ready, RequestDelta
+from pdserve.server import wire
+from pdserve.server.chat import ChatEncoder
 from pdserve.server.engine_client import EngineClient, EngineDeadError, OverloadedError
 from pdserve.server.guards import (
     check_api_key,
@@ -46,7 +48,6 @@ from pdserve.server.guards import (
     guarded_h11,
     read_body,
 )
-from pdserve.engine.process.messages import KVTransferParams, Ready, RequestDelta
 from pdserve.server.metrics import ServerMetrics, StatsLogger
 from pdserve.server.protocol import (
     MAX_LOGPROBS,
@@ -283,16 +284,14 @@ class Server:
         tid = p.get("transfer_id") if "transfer_id" in p else (p.get("remote_decode") or {}).get("transfer_id")
         if not (isinstance(tid, str) and re.fullmatch(r"[0-9A-Za-z_-]{1,64}", tid)):
             raise bad_request("kv_transfer_params: transfer_id must be 1-64 of [0-9A-Za-z_-]", param="kv_transfer_params")
-        if p.get("remote_prefill") is True and isinstance(p.get("transfer_id"), str):
-            return KVTransferParams(p["transfer_id"], remote_decode=False)
-        d = p.get("remote_decode")
-        if (
-            isinstance(d, dict)
-            and isinstance(d.get("transfer_id"), str)
-            and isinstance(d.get("address"), str)
-            and isinstance(d.get("skip_tokens", 0), int)
-        ):
-            return KVTransferParams(d["transfer_id"], True, d["address"], d.get("skip_tokens", 0))
+        try:
+            params: wire.KVTransferParams | None = msgspec.convert(p, wire.KVTransferParams)
+        except msgspec.ValidationError:
+            params = None
+        if params is not None and params.remote_prefill and params.transfer_id is not None:
+            return KVTransferParams(params.transfer_id, remote_decode=False)
+        if params is not None and (d := params.remote_decode) is not None:
+            return KVTransferParams(d.transfer_id, True, d.address, d.skip_tokens)
         raise bad_request(
             'kv_transfer_params must be {"remote_prefill": true, "transfer_id": str} or '
             '{"remote_decode": {"transfer_id": str, "address": str, "skip_tokens": int}}',
@@ -464,16 +463,16 @@ def build_app(config: ServerConfig) -> FastAPI:
         s = server.client.stats
         r = server.ready
         return _json_response(
-            {
-                "role": r.role if r else "both",
-                "num_running": s.num_running,
-                "num_waiting": s.num_waiting,
-                "kv_cache_usage": s.kv_cache_usage,
-                "num_in_flight": server.client.num_in_flight,
-                "kv_backend": r.kv_backend if r else None,
-                "kv_address": r.kv_address if r else None,
-                "kv_transfers": server.metrics.transfer_totals,
-            },
+            wire.LoadReport(
+                role=r.role if r else "both",
+                num_running=s.num_running,
+                num_waiting=s.num_waiting,
+                kv_cache_usage=s.kv_cache_usage,
+                num_in_flight=server.client.num_in_flight,
+                kv_backend=r.kv_backend if r else None,
+                kv_address=r.kv_address if r else None,
+                kv_transfers={d: wire.TransferTotals(**t) for d, t in server.metrics.transfer_totals.items()},
+            ),
             503 if not server.client.is_alive else 200,
         )
 
@@ -691,13 +690,10 @@ async def _after_reservation(
         raise APIError(500, "the engine did not reserve KV blocks for this request", "server_error")
     r = server.ready
     assert r is not None
-    reservation = {
-        "transfer_id": kv.transfer_id,
-        "address": r.kv_address,
-        "backend": r.kv_backend,
-        "skip_tokens": d.kv_skip_tokens,
-    }
-    headers = {"x-pdserve-kv-reservation": _json.encode(reservation).decode()}
+    reservation = wire.KVReservation(
+        transfer_id=kv.transfer_id, address=r.kv_address, backend=r.kv_backend, skip_tokens=d.kv_skip_tokens
+    )
+    headers = {wire.KV_RESERVATION_HEADER: _json.encode(reservation).decode()}
     if job.stream:
         body = _stream(server, job, chat)
         return WatchedStream(body, media_type="text/event-stream", headers=headers)

@@ -17,6 +17,7 @@ import msgspec
 
 from pdserve.errors import InvalidRequestError
 from pdserve.request import SamplingParams
+from pdserve.server.wire import ErrorBody, ErrorInfo
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -53,7 +54,8 @@ class APIError(Exception):
         self.code = code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return msgspec.to_builtins(ErrorBody(error=info))
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
