@@ -54,7 +54,7 @@ from pdserve.router.policies import (
 from pdserve.server import wire
 from pdserve.server.guards import check_api_key, check_json_content_type, guarded_h11, read_body
 from pdserve.server.protocol import APIError, add_error_handlers, bad_request
-from pdserve.server.streaming import WatchedStream, wait_disconnect
+from pdserve.server.http import WatchedStream, wait_disconnect
 from pdserve.server.wire import CLUSTER_HEADER, KV_RESERVATION_HEADER, KVReservation, LoadReport
 
 logger = logging.getLogger(__name__)

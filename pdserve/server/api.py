@@ -65,7 +65,7 @@ from pdserve.server.protocol import (
     sampling_params,
     usage,
 )
-from pdserve.server.streaming import WatchedStream, wait_disconnect
+from pdserve.server.http import WatchedStream, wait_disconnect
 
 logger = logging.getLogger(__name__)
 
