@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -52,9 +51,9 @@ from pdserve.router.policies import (
     make_policy,
 )
 from pdserve.server import wire
-from pdserve.server.guards import check_api_key, check_json_content_type, guarded_h11, read_body
-from pdserve.server.protocol import APIError, add_error_handlers, bad_request
-from pdserve.server.http import WatchedStream, wait_disconnect
+from pdserve.server.guards import check_api_key, check_json_content_type, read_body
+from pdserve.server.http import WatchedStream, add_error_handlers, run_uvicorn, wait_disconnect
+from pdserve.server.protocol import APIError, bad_request
 from pdserve.server.wire import CLUSTER_HEADER, KV_RESERVATION_HEADER, KVReservation, LoadReport
 
 logger = logging.getLogger(__name__)
@@ -859,25 +858,11 @@ def build_router_app(config: RouterConfig, transport: httpx.AsyncBaseTransport |
 
 def serve_router(config: RouterConfig) -> None:
     """Run the router with uvicorn until SIGINT/SIGTERM."""
-    import uvicorn
-
-    app = build_router_app(config)
-    # uvicorn shuts down gracefully on SIGINT/SIGTERM and then raises the signal again for the handler
-    # that was there before it; that one only has to let the process exit normally.
-    previous = {sig: signal.signal(sig, _after_shutdown) for sig in (signal.SIGINT, signal.SIGTERM)}
-    from pdserve.config import KEEP_ALIVE_S  # idle connections outlive clients' pool timeouts
-
-    uv = uvicorn.Config(
-        app, host=config.host, port=config.port, log_level="info", access_log=config.access_log, lifespan="on",
-        timeout_keep_alive=KEEP_ALIVE_S, limit_concurrency=config.max_client_connections,
-        http=guarded_h11(config.header_timeout_s),
+    run_uvicorn(
+        build_router_app(config),
+        host=config.host,
+        port=config.port,
+        access_log=config.access_log,
+        max_connections=config.max_client_connections,
+        header_timeout_s=config.header_timeout_s,
     )
-    try:
-        uvicorn.Server(uv).run()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _after_shutdown(signum: int, frame: object) -> None:
-    """The signal uvicorn re-raises once it has shut down: nothing is left to do."""

@@ -23,7 +23,6 @@ import asyncio
 import logging
 import os
 import re
-import signal
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -36,7 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from pdserve.config import KEEP_ALIVE_S, ServerConfig
+from pdserve.config import ServerConfig
 from pdserve.engine.process.messages import KVTransferParams, Ready, RequestDelta
 from pdserve.server import wire
 from pdserve.server.chat import ChatEncoder
@@ -45,9 +44,9 @@ from pdserve.server.guards import (
     check_api_key,
     check_cluster,
     check_json_content_type,
-    guarded_h11,
     read_body,
 )
+from pdserve.server.http import WatchedStream, add_error_handlers, run_uvicorn, wait_disconnect
 from pdserve.server.metrics import ServerMetrics, StatsLogger
 from pdserve.server.protocol import (
     MAX_LOGPROBS,
@@ -55,7 +54,6 @@ from pdserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     LogprobFormatter,
-    add_error_handlers,
     bad_request,
     chat_message_dicts,
     check_unsupported,
@@ -65,7 +63,6 @@ from pdserve.server.protocol import (
     sampling_params,
     usage,
 )
-from pdserve.server.http import WatchedStream, wait_disconnect
 
 logger = logging.getLogger(__name__)
 
@@ -768,33 +765,12 @@ async def _stream(server: Server, job: _Job, chat: bool) -> AsyncIterator[bytes]
 
 def serve(config: ServerConfig) -> None:
     """Run the server until SIGINT/SIGTERM; both processes are gone when this returns."""
-    import uvicorn
-
-    app = build_app(config)
-    # uvicorn handles SIGINT/SIGTERM while it runs, shuts down gracefully, and then raises the signal
-    # again for the handler that was there before it; that one only has to let the process exit with 0.
-    previous = {sig: signal.signal(sig, _after_shutdown) for sig in (signal.SIGINT, signal.SIGTERM)}
-    uv = uvicorn.Config(
-        app,
+    run_uvicorn(
+        build_app(config),
         host=config.host,
         port=config.port,
-        log_level="info",
         access_log=config.access_log,
-        timeout_graceful_shutdown=max(1, int(config.shutdown_timeout_s)),
-        # Idle keep-alive connections outlive the clients' pool timeouts (aiohttp: 15 s): with uvicorn's
-        # 5 s default, a client reusing a connection the server is closing gets "connection reset"
-        # (measured: 1 of 200 requests from vLLM's benchmark client at 1 req/s).
-        timeout_keep_alive=KEEP_ALIVE_S,
-        limit_concurrency=config.max_connections,  # beyond it: 503 at once, not a growing backlog
-        http=guarded_h11(config.header_timeout_s),
-        lifespan="on",
+        max_connections=config.max_connections,
+        header_timeout_s=config.header_timeout_s,
+        graceful_shutdown_s=max(1, int(config.shutdown_timeout_s)),
     )
-    try:
-        uvicorn.Server(uv).run()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _after_shutdown(signum: int, frame: object) -> None:
-    """The signal uvicorn re-raises once it has shut down: nothing is left to do."""
