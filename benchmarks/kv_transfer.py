@@ -26,7 +26,7 @@ import torch
 
 from pdserve import SamplingParams
 from pdserve.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
-from pdserve.disagg.connector import RemoteDecode, RemotePrefill
+from pdserve.transfer.connector import RemoteDecode, RemotePrefill
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.transfer.base import KVLayout
 from pdserve.transfer.registry import transport_class

@@ -225,12 +225,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from pdserve.config import ModelConfig
     from pdserve.server.api import serve
-    from pdserve.server.config import RandomModelSpec, ServerConfig
+    from pdserve.config import RandomModelSpec, ServerConfig
 
     if args.log_level.upper() == "WARNING":  # the default: a server should say what it is doing
         logging.getLogger("pdserve").setLevel(logging.INFO)
     if args.disagg:
-        from pdserve.disagg.cluster import serve_cluster
+        from pdserve.router.cluster import serve_cluster
 
         return serve_cluster(args.disagg, args.argv, args.host, args.port, args.num_threads, _api_key(args))
     num_threads = args.num_threads
@@ -313,7 +313,7 @@ def add_http_limit_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_router(args: argparse.Namespace) -> int:
     """Run the prefill/decode router: an OpenAI-compatible front over prefill and decode instances."""
-    from pdserve.disagg.router import RouterConfig, serve_router
+    from pdserve.router.app import RouterConfig, serve_router
 
     def urls(values: list[str]) -> tuple[str, ...]:
         return tuple(u.strip() for v in values for u in v.split(",") if u.strip())
@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
 
     add_bench_parser(sub)
 
-    from pdserve.disagg.policies import DEFAULT_DECODE_POLICY, DEFAULT_PREFILL_POLICY, POLICIES
+    from pdserve.router.policies import DEFAULT_DECODE_POLICY, DEFAULT_PREFILL_POLICY, POLICIES
 
     p = sub.add_parser("router", help="prefill/decode disaggregation router in front of P and D instances")
     p.add_argument("--prefill", action="append", required=True, metavar="URL[,URL...]",

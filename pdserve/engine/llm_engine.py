@@ -12,7 +12,7 @@ import torch
 
 from pdserve.attention.base import AttentionBackend, get_attention_backend
 from pdserve.config import EngineConfig, ModelConfig
-from pdserve.disagg.connector import KVConnector
+from pdserve.transfer.connector import KVConnector
 from pdserve.engine.loop import EngineLoop, StepRecord
 from pdserve.kv.block_manager import BlockManager, HostBlockPool
 from pdserve.kv.cache import KVCache, kv_block_bytes

@@ -32,7 +32,7 @@ from pdserve.request import FinishReason, Request, SamplingParams
 from pdserve.scheduler.scheduler import Scheduler, SchedulerOutput
 
 if TYPE_CHECKING:
-    from pdserve.disagg.connector import KVConnector, RemoteDecode, RemotePrefill
+    from pdserve.transfer.connector import KVConnector, RemoteDecode, RemotePrefill
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class EngineLoop:
     def _check_transfer(self, kv_transfer: RemoteDecode | RemotePrefill | None) -> None:
         if kv_transfer is None:
             return
-        from pdserve.disagg.connector import RemoteDecode, RemotePrefill
+        from pdserve.transfer.connector import RemoteDecode, RemotePrefill
 
         if self.connector is None:
             raise InvalidRequestError("this instance has no KV transfer backend (start it with one)")
@@ -142,7 +142,7 @@ class EngineLoop:
             raise InvalidRequestError("a prefill instance does not decode prompts computed elsewhere")
 
     def _start_transfer(self, req: Request, kv_transfer: RemoteDecode | RemotePrefill) -> None:
-        from pdserve.disagg.connector import RemoteDecode
+        from pdserve.transfer.connector import RemoteDecode
         from pdserve.transfer.base import TransferError
 
         if isinstance(kv_transfer, RemoteDecode):

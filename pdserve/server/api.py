@@ -23,7 +23,6 @@ import asyncio
 import logging
 import os
 import re
-import signal
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -36,17 +35,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from pdserve.config import ServerConfig
+from pdserve.engine.process.messages import KVTransferParams, Ready, RequestDelta
+from pdserve.server import wire
 from pdserve.server.chat import ChatEncoder
-from pdserve.server.config import KEEP_ALIVE_S, ServerConfig
 from pdserve.server.engine_client import EngineClient, EngineDeadError, OverloadedError
 from pdserve.server.guards import (
     check_api_key,
     check_cluster,
     check_json_content_type,
-    guarded_h11,
     read_body,
 )
-from pdserve.server.messages import KVTransferParams, Ready, RequestDelta
+from pdserve.server.http import WatchedStream, add_error_handlers, run_uvicorn, wait_disconnect
 from pdserve.server.metrics import ServerMetrics, StatsLogger
 from pdserve.server.protocol import (
     MAX_LOGPROBS,
@@ -54,7 +54,6 @@ from pdserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     LogprobFormatter,
-    add_error_handlers,
     bad_request,
     chat_message_dicts,
     check_unsupported,
@@ -64,7 +63,6 @@ from pdserve.server.protocol import (
     sampling_params,
     usage,
 )
-from pdserve.server.streaming import WatchedStream, wait_disconnect
 
 logger = logging.getLogger(__name__)
 
@@ -283,16 +281,14 @@ class Server:
         tid = p.get("transfer_id") if "transfer_id" in p else (p.get("remote_decode") or {}).get("transfer_id")
         if not (isinstance(tid, str) and re.fullmatch(r"[0-9A-Za-z_-]{1,64}", tid)):
             raise bad_request("kv_transfer_params: transfer_id must be 1-64 of [0-9A-Za-z_-]", param="kv_transfer_params")
-        if p.get("remote_prefill") is True and isinstance(p.get("transfer_id"), str):
-            return KVTransferParams(p["transfer_id"], remote_decode=False)
-        d = p.get("remote_decode")
-        if (
-            isinstance(d, dict)
-            and isinstance(d.get("transfer_id"), str)
-            and isinstance(d.get("address"), str)
-            and isinstance(d.get("skip_tokens", 0), int)
-        ):
-            return KVTransferParams(d["transfer_id"], True, d["address"], d.get("skip_tokens", 0))
+        try:
+            params: wire.KVTransferParams | None = msgspec.convert(p, wire.KVTransferParams)
+        except msgspec.ValidationError:
+            params = None
+        if params is not None and params.remote_prefill and params.transfer_id is not None:
+            return KVTransferParams(params.transfer_id, remote_decode=False)
+        if params is not None and (d := params.remote_decode) is not None:
+            return KVTransferParams(d.transfer_id, True, d.address, d.skip_tokens)
         raise bad_request(
             'kv_transfer_params must be {"remote_prefill": true, "transfer_id": str} or '
             '{"remote_decode": {"transfer_id": str, "address": str, "skip_tokens": int}}',
@@ -464,16 +460,16 @@ def build_app(config: ServerConfig) -> FastAPI:
         s = server.client.stats
         r = server.ready
         return _json_response(
-            {
-                "role": r.role if r else "both",
-                "num_running": s.num_running,
-                "num_waiting": s.num_waiting,
-                "kv_cache_usage": s.kv_cache_usage,
-                "num_in_flight": server.client.num_in_flight,
-                "kv_backend": r.kv_backend if r else None,
-                "kv_address": r.kv_address if r else None,
-                "kv_transfers": server.metrics.transfer_totals,
-            },
+            wire.LoadReport(
+                role=r.role if r else "both",
+                num_running=s.num_running,
+                num_waiting=s.num_waiting,
+                kv_cache_usage=s.kv_cache_usage,
+                num_in_flight=server.client.num_in_flight,
+                kv_backend=r.kv_backend if r else None,
+                kv_address=r.kv_address if r else None,
+                kv_transfers={d: wire.TransferTotals(**t) for d, t in server.metrics.transfer_totals.items()},
+            ),
             503 if not server.client.is_alive else 200,
         )
 
@@ -691,13 +687,10 @@ async def _after_reservation(
         raise APIError(500, "the engine did not reserve KV blocks for this request", "server_error")
     r = server.ready
     assert r is not None
-    reservation = {
-        "transfer_id": kv.transfer_id,
-        "address": r.kv_address,
-        "backend": r.kv_backend,
-        "skip_tokens": d.kv_skip_tokens,
-    }
-    headers = {"x-pdserve-kv-reservation": _json.encode(reservation).decode()}
+    reservation = wire.KVReservation(
+        transfer_id=kv.transfer_id, address=r.kv_address, backend=r.kv_backend, skip_tokens=d.kv_skip_tokens
+    )
+    headers = {wire.KV_RESERVATION_HEADER: _json.encode(reservation).decode()}
     if job.stream:
         body = _stream(server, job, chat)
         return WatchedStream(body, media_type="text/event-stream", headers=headers)
@@ -772,33 +765,12 @@ async def _stream(server: Server, job: _Job, chat: bool) -> AsyncIterator[bytes]
 
 def serve(config: ServerConfig) -> None:
     """Run the server until SIGINT/SIGTERM; both processes are gone when this returns."""
-    import uvicorn
-
-    app = build_app(config)
-    # uvicorn handles SIGINT/SIGTERM while it runs, shuts down gracefully, and then raises the signal
-    # again for the handler that was there before it; that one only has to let the process exit with 0.
-    previous = {sig: signal.signal(sig, _after_shutdown) for sig in (signal.SIGINT, signal.SIGTERM)}
-    uv = uvicorn.Config(
-        app,
+    run_uvicorn(
+        build_app(config),
         host=config.host,
         port=config.port,
-        log_level="info",
         access_log=config.access_log,
-        timeout_graceful_shutdown=max(1, int(config.shutdown_timeout_s)),
-        # Idle keep-alive connections outlive the clients' pool timeouts (aiohttp: 15 s): with uvicorn's
-        # 5 s default, a client reusing a connection the server is closing gets "connection reset"
-        # (measured: 1 of 200 requests from vLLM's benchmark client at 1 req/s).
-        timeout_keep_alive=KEEP_ALIVE_S,
-        limit_concurrency=config.max_connections,  # beyond it: 503 at once, not a growing backlog
-        http=guarded_h11(config.header_timeout_s),
-        lifespan="on",
+        max_connections=config.max_connections,
+        header_timeout_s=config.header_timeout_s,
+        graceful_shutdown_s=max(1, int(config.shutdown_timeout_s)),
     )
-    try:
-        uvicorn.Server(uv).run()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _after_shutdown(signum: int, frame: object) -> None:
-    """The signal uvicorn re-raises once it has shut down: nothing is left to do."""

@@ -31,9 +31,9 @@ import zmq.asyncio
 
 from pdserve.errors import PdserveError
 from pdserve.request import SamplingParams
-from pdserve.server.config import ServerConfig
-from pdserve.server.engine_core import CoreAddresses, run_engine_core
-from pdserve.server.messages import (
+from pdserve.config import ServerConfig
+from pdserve.engine.process.core import CoreAddresses, run_engine_core
+from pdserve.engine.process.messages import (
     AbortRequests,
     AddRequest,
     CoreMessage,

@@ -15,6 +15,7 @@ import hmac
 from typing import Any
 
 from pdserve.server.protocol import APIError
+from pdserve.server.wire import CLUSTER_HEADER
 
 JSON_TYPES = ("application/json",)
 
@@ -105,9 +106,6 @@ def guarded_h11(header_timeout_s: float) -> type:
 
 
 # ---- authentication ------------------------------------------------------------------------------
-
-CLUSTER_HEADER = "x-pdserve-cluster-secret"  # router -> instance requests of a disaggregated cluster
-
 
 def _same(given: str | None, expected: str) -> bool:
     """Constant-time comparison (timing must not tell how much of a guess was right)."""

@@ -13,7 +13,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pdserve.server.messages import EngineStats, StepStats, TransferStats
+from pdserve.engine.process.messages import EngineStats, StepStats, TransferStats
 
 logger = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ import msgspec
 
 from pdserve.errors import InvalidRequestError
 from pdserve.request import SamplingParams
+from pdserve.server.wire import ErrorBody, ErrorInfo
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -53,7 +54,8 @@ class APIError(Exception):
         self.code = code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return msgspec.to_builtins(ErrorBody(error=info))
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -287,34 +289,3 @@ class LogprobFormatter:
     def _chat_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.token(token_id)
         return {"token": text, "logprob": max(logprob, -9999.0), "bytes": list(text.encode("utf-8"))}
-
-
-def add_error_handlers(app: Any, component: str) -> None:
-    """Answer every error a route raises with an OpenAI-style body: an `APIError` as itself (503s with
-    `Retry-After`), HTTP errors (404, 405, ...) in the same shape, anything else as a logged 500.
-    `component` names the process in the 500 message ("server", "router")."""
-    import logging
-
-    from fastapi import Request
-    from fastapi.responses import Response
-    from starlette.exceptions import HTTPException as StarletteHTTPException
-
-    log = logging.getLogger(f"pdserve.{component}")
-    encode = msgspec.json.Encoder().encode
-
-    def respond(body: Any, status: int, headers: dict[str, str] | None = None) -> Response:
-        return Response(encode(body), status_code=status, media_type="application/json", headers=headers)
-
-    @app.exception_handler(APIError)
-    async def on_api_error(request: Request, e: APIError) -> Response:
-        return respond(e.body(), e.status, {"Retry-After": "1"} if e.status == 503 else None)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(request: Request, e: StarletteHTTPException) -> Response:
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return respond(APIError(e.status_code, str(e.detail), kind).body(), e.status_code)
-
-    @app.exception_handler(Exception)
-    async def on_error(request: Request, e: Exception) -> Response:
-        log.exception("unhandled error in %s", request.url.path)
-        return respond(APIError(500, f"internal {component} error: {e}", "server_error").body(), 500)

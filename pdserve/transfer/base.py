@@ -2,7 +2,7 @@
 
 A transport moves *chunks*: the K and V of one layer for a run of consecutive token positions of one
 request, as a tensor `[2, num_kv_heads, num_tokens, head_dim]`. It never sees blocks: packing chunks out of
-the paged cache and into it is the connector's job (`pdserve/disagg/connector.py`), so a backend is only
+the paged cache and into it is the connector's job (`pdserve/transfer/connector.py`), so a backend is only
 about bytes on a path.
 
 One transfer, seen from both ends (`transfer_id` names it on both):

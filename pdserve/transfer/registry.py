@@ -1,4 +1,5 @@
-"""Transfer backends by name. No torch here: config validation reads this."""
+"""Transfer backends by name, imported on first use (no torch here). `config.KV_TRANSFER_BACKENDS` spells
+the same names for validation."""
 
 from __future__ import annotations
 

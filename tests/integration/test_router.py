@@ -1,7 +1,7 @@
 """The prefill/decode router over real HTTP on 127.0.0.1, against fake prefill and decode instances.
 
 The fakes are small FastAPI apps, each served by uvicorn in a thread, that speak the instance protocol
-(`pdserve/disagg/router.py`): a fake decode instance answers with a KV reservation header and produces
+(`pdserve/router/app.py`): a fake decode instance answers with a KV reservation header and produces
 its body only once the fake prefill instance it was paired with has "transferred" the KV (a set shared by
 the fakes, keyed by transfer id). Each fake records the bodies it received and whether the router hung
 up on it. Behaviours that fail (an error status, a dropped connection, a hang) are switched per test.
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
@@ -28,15 +29,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.cli import main as cli_main
-from pdserve.disagg.policies import (
+from pdserve.router.app import RouterConfig, build_router_app
+from pdserve.router.policies import (
     Instance,
     LeastKVUsage,
     LeastOutstandingTokens,
     RoundRobin,
     make_policy,
 )
-from pdserve.disagg.router import KV_RESERVATION_HEADER, RouterConfig, build_router_app
+from pdserve.server import wire
 from pdserve.server.launcher import free_port
+from pdserve.server.wire import CLUSTER_HEADER, KV_RESERVATION_HEADER
 
 HOST = "127.0.0.1"
 TOKENS = ["Hello", ",", " world"]
@@ -137,9 +140,8 @@ class FakeInstance(UvicornThread):
         async def load() -> Response:
             if self.mode == "bad_load":
                 return JSONResponse({"role": self.role, "num_running": -5, "num_waiting": 2**70, "kv_cache_usage": 7})
-            return JSONResponse(
-                {"role": self.role, "num_running": 0, "num_waiting": 0, "kv_cache_usage": self.kv_usage}
-            )
+            report = wire.LoadReport(role=self.role, num_running=0, num_waiting=0, kv_cache_usage=self.kv_usage)
+            return Response(msgspec.json.encode(report), media_type="application/json")
 
         @app.get("/v1/models")
         async def models() -> Response:
@@ -147,7 +149,7 @@ class FakeInstance(UvicornThread):
 
         async def generate(request: Request) -> Response:
             rec = Received(request.url.path, json.loads(await request.body()),
-                           cluster_secret=request.headers.get("x-pdserve-cluster-secret"))
+                           cluster_secret=request.headers.get(CLUSTER_HEADER))
             self.received.append(rec)
             if self.role == "prefill":
                 return await self._prefill(request, rec)
@@ -167,26 +169,28 @@ class FakeInstance(UvicornThread):
             return JSONResponse(error_body("bad prompt", "invalid_request_error", None), 400)
         if self.mode == "fail":
             return JSONResponse(error_body("KV transfer failed", "server_error", "kv_transfer_failed"), 500)
-        remote = rec.body["kv_transfer_params"]["remote_decode"]
-        if remote["address"] not in self.cluster.addresses:
-            return JSONResponse(error_body(f"unknown address {remote['address']}", "server_error", None), 500)
-        self.cluster.transferred.add(remote["transfer_id"])
+        remote = msgspec.convert(rec.body["kv_transfer_params"], wire.KVTransferParams).remote_decode
+        assert remote is not None
+        if remote.address not in self.cluster.addresses:
+            return JSONResponse(error_body(f"unknown address {remote.address}", "server_error", None), 500)
+        self.cluster.transferred.add(remote.transfer_id)
         return JSONResponse({"id": "cmpl-prefill", "choices": [{"index": 0, "text": "x"}]})
 
     def _decode(self, rec: Received) -> Response:
         if self.mode == "reject":
             body = error_body("prompt too long", "invalid_request_error", "context_length_exceeded")
             return JSONResponse(body, 400)
-        transfer_id = rec.body["kv_transfer_params"]["transfer_id"]
+        transfer_id = msgspec.convert(rec.body["kv_transfer_params"], wire.KVTransferParams).transfer_id
+        assert transfer_id is not None
         headers = {}
         if self.mode != "no_header":
-            reservation = {
-                "transfer_id": transfer_id,
-                "address": self.address,
-                "backend": "shm",
-                "skip_tokens": -3 if self.mode == "bad_header" else 3,
-            }
-            headers[KV_RESERVATION_HEADER] = json.dumps(reservation)
+            reservation = wire.KVReservation(  # the constructor does not check bounds: -3 goes out as is
+                transfer_id=transfer_id,
+                address=self.address,
+                backend="shm",
+                skip_tokens=-3 if self.mode == "bad_header" else 3,
+            )
+            headers[KV_RESERVATION_HEADER] = msgspec.json.encode(reservation).decode()
         stream = rec.body.get("stream") is True
         return StreamingResponse(
             self._decode_body(rec, transfer_id, stream),
@@ -244,7 +248,7 @@ class FakeInstance(UvicornThread):
 
 
 def error_body(message: str, type_: str, code: str | None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+    return msgspec.to_builtins(wire.ErrorBody(error=wire.ErrorInfo(message=message, type=type_, code=code)))
 
 
 def sse_event(name: str, index: int, text: str) -> bytes:
@@ -699,14 +703,14 @@ def test_injected_transport_replaces_the_network():
         if path == "/health":
             return httpx.Response(200, json={"status": "ok"})
         if path == "/load":
-            load = {"role": "both", "num_running": 0, "num_waiting": 0, "kv_cache_usage": 0}
-            return httpx.Response(200, json=load)
+            load = wire.LoadReport(role="both", num_running=0, num_waiting=0, kv_cache_usage=0)
+            return httpx.Response(200, content=msgspec.json.encode(load))
         body = json.loads(request.content)
         seen.append((request.url.host, body))
         if request.url.host == "d":
             transfer_id = body["kv_transfer_params"]["transfer_id"]
-            reservation = {"transfer_id": transfer_id, "address": "a", "backend": "tcp", "skip_tokens": 0}
-            headers = {KV_RESERVATION_HEADER: json.dumps(reservation)}
+            reservation = wire.KVReservation(transfer_id=transfer_id, address="a", backend="tcp", skip_tokens=0)
+            headers = {KV_RESERVATION_HEADER: msgspec.json.encode(reservation).decode()}
             return httpx.Response(200, json={"text": "from d"}, headers=headers)
         return httpx.Response(200, json={"text": "from p"})
 

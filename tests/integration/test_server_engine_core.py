@@ -15,8 +15,8 @@ import zmq
 from pdserve.config import CacheConfig, EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.request import SamplingParams
-from pdserve.server.engine_core import CoreAddresses, EngineCore
-from pdserve.server.messages import AbortRequests, AddRequest, CoreMessage, EngineOutputs, Ready, Shutdown
+from pdserve.engine.process.core import CoreAddresses, EngineCore
+from pdserve.engine.process.messages import AbortRequests, AddRequest, CoreMessage, EngineOutputs, Ready, Shutdown
 from tests.support.tiny import TINY
 
 POISON = 7  # a prompt holding this token id makes the model runner raise

@@ -15,8 +15,8 @@ import zmq
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.request import SamplingParams
-from pdserve.server.engine_core import CoreAddresses, EngineCore
-from pdserve.server.messages import AddRequest, CoreMessage, EngineOutputs, Ready, RequestDelta, Shutdown
+from pdserve.engine.process.core import CoreAddresses, EngineCore
+from pdserve.engine.process.messages import AddRequest, CoreMessage, EngineOutputs, Ready, RequestDelta, Shutdown
 from tests.support.tiny import TINY
 
 
@@ -83,7 +83,7 @@ def test_front_answers_503_slo_rejected() -> None:
     from prometheus_client import generate_latest
 
     from pdserve.server.api import Server
-    from pdserve.server.config import ServerConfig
+    from pdserve.config import ServerConfig
 
     server = Server(ServerConfig())
     err = server.error_of(RequestDelta("r", [], "", "error", error="predicted 900 ms", rejected=True))

@@ -9,8 +9,8 @@ import torch
 
 from pdserve import SamplingParams
 from pdserve.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
-from pdserve.disagg.connector import RemoteDecode, RemotePrefill
-from pdserve.disagg.local import generate_disaggregated
+from pdserve.transfer.connector import RemoteDecode, RemotePrefill
+from pdserve.engine.disagg import generate_disaggregated
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.errors import InvalidRequestError
 from pdserve.request import RequestStatus

@@ -50,7 +50,7 @@ def test_swap_counters_reach_prometheus(make_tiny_llm):
     from prometheus_client import generate_latest
 
     from pdserve import SamplingParams
-    from pdserve.server.engine_core import engine_stats
+    from pdserve.engine.process.core import engine_stats
     from pdserve.server.metrics import ServerMetrics
     from tests.support.tiny import random_prompts
 

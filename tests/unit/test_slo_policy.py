@@ -400,7 +400,7 @@ def test_cli_flags_reach_scheduler_config() -> None:
 def test_metrics_export_the_model_and_its_error() -> None:
     from prometheus_client import generate_latest
 
-    from pdserve.server.messages import EngineStats, StepStats
+    from pdserve.engine.process.messages import EngineStats, StepStats
     from pdserve.server.metrics import ServerMetrics
 
     m = ServerMetrics("m")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import generate_latest
 
-from pdserve.server.messages import EngineStats
+from pdserve.engine.process.messages import EngineStats
 from pdserve.server.metrics import ServerMetrics
 
 

@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation. The router (`router.py`) is an OpenAI-compatible front that sends each
+"""Prefill/decode disaggregation. The router (`app.py`) is an OpenAI-compatible front that sends each
 request's prompt to a prefill instance and its generation to a decode instance over HTTP, choosing the
 instances with the policies in `policies.py`.
 
@@ -11,12 +11,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pdserve.disagg.router import RouterConfig, build_router_app, serve_router
+    from pdserve.router.app import RouterConfig, build_router_app, serve_router
 
 _LAZY = {
-    "RouterConfig": "pdserve.disagg.router",
-    "build_router_app": "pdserve.disagg.router",
-    "serve_router": "pdserve.disagg.router",
+    "RouterConfig": "pdserve.router.app",
+    "build_router_app": "pdserve.router.app",
+    "serve_router": "pdserve.router.app",
 }
 
 __all__ = ["RouterConfig", "build_router_app", "serve_router"]
@@ -25,4 +25,4 @@ __all__ = ["RouterConfig", "build_router_app", "serve_router"]
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'pdserve.disagg' has no attribute {name!r}")
+    raise AttributeError(f"module 'pdserve.router' has no attribute {name!r}")

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Any
 
 import anyio
 import httpx
@@ -44,20 +43,21 @@ from prometheus_client import (
     generate_latest,
 )
 
-from pdserve.disagg.policies import (
+from pdserve.router.policies import (
     DEFAULT_DECODE_POLICY,
     DEFAULT_PREFILL_POLICY,
     ROLES,
     Instance,
     make_policy,
 )
-from pdserve.server.guards import CLUSTER_HEADER, check_api_key, check_json_content_type, guarded_h11, read_body
-from pdserve.server.protocol import APIError, add_error_handlers, bad_request
-from pdserve.server.streaming import WatchedStream, wait_disconnect
+from pdserve.server import wire
+from pdserve.server.guards import check_api_key, check_json_content_type, read_body
+from pdserve.server.http import WatchedStream, add_error_handlers, run_uvicorn, wait_disconnect
+from pdserve.server.protocol import APIError, bad_request
+from pdserve.server.wire import CLUSTER_HEADER, KV_RESERVATION_HEADER, KVReservation, LoadReport
 
 logger = logging.getLogger(__name__)
 
-KV_RESERVATION_HEADER = "x-pdserve-kv-reservation"
 OUTCOMES = ("ok", "rejected", "failed", "unavailable", "cancelled")
 
 _json = msgspec.json.Encoder()
@@ -114,37 +114,9 @@ class RouterConfig:
             raise ValueError(f"max_connections must be >= 2, got {self.max_connections}")
 
 
-# What instances answer is decoded into these typed, bounded structs; one that does not decode is
-# dropped (the last good /load stays; a bad reservation fails the attempt) and counted in /metrics.
-_NonNegative = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
-
-
-class TransferTotals(msgspec.Struct):
-    """One direction's finished KV transfers on an instance (cumulative since it started)."""
-
-    ok: _NonNegative = 0
-    failed: _NonNegative = 0
-    bytes: _NonNegative = 0
-    seconds: Annotated[float, msgspec.Meta(ge=0)] = 0.0
-
-
-class LoadReport(msgspec.Struct):
-    """An instance's `GET /load` body."""
-
-    role: Annotated[str, msgspec.Meta(max_length=16)]
-    num_running: _NonNegative
-    num_waiting: _NonNegative
-    kv_cache_usage: Annotated[float, msgspec.Meta(ge=0, le=1)]
-    kv_transfers: Annotated[dict[str, TransferTotals], msgspec.Meta(max_length=2)] = {}
-
-
-class KVReservation(msgspec.Struct):
-    """The decode instance's `x-pdserve-kv-reservation` header: where the prefill instance sends the KV."""
-
-    transfer_id: Annotated[str, msgspec.Meta(pattern=r"^[0-9A-Za-z_-]{1,64}$")]
-    address: Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
-    backend: Annotated[str, msgspec.Meta(max_length=32)]
-    skip_tokens: _NonNegative
+# What instances answer is decoded into the typed, bounded structs of pdserve/server/wire.py; one that
+# does not decode is dropped (the last good /load stays; a bad reservation fails the attempt) and counted
+# in /metrics.
 
 
 # ---- metrics -------------------------------------------------------------------------------------
@@ -278,7 +250,7 @@ def _estimate_chat_tokens(messages: Any) -> int:
 
 def decode_body(body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
     """What D gets: the client's body plus the remote-prefill marker (replacing a client's own)."""
-    return {**body, "kv_transfer_params": {"remote_prefill": True, "transfer_id": transfer_id}}
+    return {**body, "kv_transfer_params": wire.KVTransferParams(remote_prefill=True, transfer_id=transfer_id)}
 
 
 def prefill_body(body: dict[str, Any], chat: bool, reservation: KVReservation) -> dict[str, Any]:
@@ -288,14 +260,14 @@ def prefill_body(body: dict[str, Any], chat: bool, reservation: KVReservation) -
     out["max_tokens"] = 1
     if chat:
         out["max_completion_tokens"] = 1
-    out["kv_transfer_params"] = {
-        "remote_decode": {
-            "transfer_id": reservation.transfer_id,
-            "address": reservation.address,
-            "backend": reservation.backend,
-            "skip_tokens": reservation.skip_tokens,
-        }
-    }
+    out["kv_transfer_params"] = wire.KVTransferParams(
+        remote_decode=wire.RemoteDecode(
+            transfer_id=reservation.transfer_id,
+            address=reservation.address,
+            backend=reservation.backend,
+            skip_tokens=reservation.skip_tokens,
+        )
+    )
     return out
 
 
@@ -343,10 +315,11 @@ class _Failure:
     def answered(instance: Instance, status: int, content: bytes, media_type: str | None) -> _Failure:
         """An instance's own error answer, passed on as it is."""
         try:
+            msgspec.json.decode(content, type=wire.ErrorBody)  # the shape is checked, the body kept whole
             error = msgspec.json.decode(content)
-        except msgspec.DecodeError:
+        except msgspec.DecodeError:  # ValidationError is one
             error = None
-        if not (isinstance(error, dict) and isinstance(error.get("error"), dict)):
+        if error is None:
             text = content.decode("utf-8", "replace")[:500]
             message = f"the {instance.role} instance {instance.url} answered {status}: {text}"
             error = APIError(status, message, "server_error", None, "upstream_error").body()
@@ -885,25 +858,11 @@ def build_router_app(config: RouterConfig, transport: httpx.AsyncBaseTransport |
 
 def serve_router(config: RouterConfig) -> None:
     """Run the router with uvicorn until SIGINT/SIGTERM."""
-    import uvicorn
-
-    app = build_router_app(config)
-    # uvicorn shuts down gracefully on SIGINT/SIGTERM and then raises the signal again for the handler
-    # that was there before it; that one only has to let the process exit normally.
-    previous = {sig: signal.signal(sig, _after_shutdown) for sig in (signal.SIGINT, signal.SIGTERM)}
-    from pdserve.server.config import KEEP_ALIVE_S  # idle connections outlive clients' pool timeouts
-
-    uv = uvicorn.Config(
-        app, host=config.host, port=config.port, log_level="info", access_log=config.access_log, lifespan="on",
-        timeout_keep_alive=KEEP_ALIVE_S, limit_concurrency=config.max_client_connections,
-        http=guarded_h11(config.header_timeout_s),
+    run_uvicorn(
+        build_router_app(config),
+        host=config.host,
+        port=config.port,
+        access_log=config.access_log,
+        max_connections=config.max_client_connections,
+        header_timeout_s=config.header_timeout_s,
     )
-    try:
-        uvicorn.Server(uv).run()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _after_shutdown(signum: int, frame: object) -> None:
-    """The signal uvicorn re-raises once it has shut down: nothing is left to do."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdserve.disagg.connector import RemoteDecode, RemotePrefill
+from pdserve.transfer.connector import RemoteDecode, RemotePrefill
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.outputs import RequestOutput
 from pdserve.request import SamplingParams

@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
-from pdserve.disagg.connector import RemoteDecode, RemotePrefill
+from pdserve.transfer.connector import RemoteDecode, RemotePrefill
 from pdserve.errors import InvalidRequestError, SLORejectedError
 from pdserve.scheduler.policies import SLOAware
-from pdserve.server.config import ServerConfig
-from pdserve.server.messages import (
+from pdserve.config import ServerConfig
+from pdserve.engine.process.messages import (
     AbortRequests,
     AddRequest,
     EngineOutputs,
