@@ -157,7 +157,14 @@ class BlockManager:
 
     def free(self, req: Request) -> None:
         """Drop `req`'s references; blocks nobody else holds become free (cached ones stay findable)."""
-        for b in reversed(req.block_ids):
+        self._release(req.block_ids)
+        req.block_ids.clear()
+        self._req_hashes.pop(req.req_id, None)
+
+    def _release(self, block_ids: list[int]) -> None:
+        """Drop one reference to each block, last first; blocks nobody holds any more become free (to the
+        lowest-id heap, or, when hashed, to the cached pool that stays findable)."""
+        for b in reversed(block_ids):
             self.ref_counts[b] -= 1
             assert self.ref_counts[b] >= 0, f"block {b} freed twice"
             if self.ref_counts[b] == 0:
@@ -165,8 +172,6 @@ class BlockManager:
                     heapq.heappush(self._free_uncached, b)
                 else:
                     self._free_cached[b] = None
-        req.block_ids.clear()
-        self._req_hashes.pop(req.req_id, None)
 
     def truncate(self, req: Request, num_tokens: int) -> None:
         """Shrink `req`'s block table to the blocks `num_tokens` tokens need, freeing the rest: the slots
@@ -176,14 +181,7 @@ class BlockManager:
         keep = self.num_blocks_for(num_tokens)
         if keep >= len(req.block_ids):
             return
-        for b in reversed(req.block_ids[keep:]):
-            self.ref_counts[b] -= 1
-            assert self.ref_counts[b] >= 0, f"block {b} freed twice"
-            if self.ref_counts[b] == 0:
-                if self.block_hashes[b] is None:
-                    heapq.heappush(self._free_uncached, b)
-                else:
-                    self._free_cached[b] = None
+        self._release(req.block_ids[keep:])
         del req.block_ids[keep:]
         hashes = self._req_hashes.get(req.req_id)
         if hashes is not None:

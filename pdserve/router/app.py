@@ -52,7 +52,7 @@ from pdserve.router.policies import (
 )
 from pdserve.server import wire
 from pdserve.server.guards import check_api_key, check_json_content_type, read_body
-from pdserve.server.http import WatchedStream, add_error_handlers, run_uvicorn, wait_disconnect
+from pdserve.server.http import WatchedStream, make_app, run_uvicorn, wait_disconnect
 from pdserve.server.protocol import APIError, bad_request
 from pdserve.server.wire import CLUSTER_HEADER, KV_RESERVATION_HEADER, KVReservation, LoadReport
 
@@ -824,14 +824,8 @@ def build_router_app(config: RouterConfig, transport: httpx.AsyncBaseTransport |
         finally:
             await router.stop()
 
-    app = FastAPI(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = make_app("pdserve router", "router", config.allowed_hosts, lifespan)
     app.state.router = router
-
-    add_error_handlers(app, "router")
-    if config.allowed_hosts is not None:
-        from starlette.middleware.trustedhost import TrustedHostMiddleware
-
-        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(config.allowed_hosts))
 
     @app.get("/health")
     async def health() -> Response:

@@ -46,7 +46,7 @@ from pdserve.server.guards import (
     check_json_content_type,
     read_body,
 )
-from pdserve.server.http import WatchedStream, add_error_handlers, run_uvicorn, wait_disconnect
+from pdserve.server.http import WatchedStream, make_app, run_uvicorn, wait_disconnect
 from pdserve.server.metrics import ServerMetrics, StatsLogger
 from pdserve.server.protocol import (
     MAX_LOGPROBS,
@@ -408,14 +408,8 @@ def build_app(config: ServerConfig) -> FastAPI:
                 stats_task.cancel()
             await server.client.shutdown()
 
-    app = FastAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = make_app("pdserve", "server", config.allowed_hosts, lifespan)
     app.state.server = server
-
-    add_error_handlers(app, "server")
-    if config.allowed_hosts is not None:
-        from starlette.middleware.trustedhost import TrustedHostMiddleware
-
-        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(config.allowed_hosts))
 
     @app.get("/health")
     async def health() -> Response:

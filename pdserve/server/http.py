@@ -91,6 +91,19 @@ def add_error_handlers(app: Any, component: str) -> None:
         return respond(APIError(500, f"internal {component} error: {e}", "server_error").body(), 500)
 
 
+def make_app(title: str, component: str, allowed_hosts: tuple[str, ...] | None, lifespan: Any) -> FastAPI:
+    """The FastAPI app of a server or router: no docs routes, OpenAI-style errors (`add_error_handlers`)
+    and, when `allowed_hosts` is set, a 400 for any other Host header (a web page cannot drive a local
+    server through DNS rebinding)."""
+    app = FastAPI(title=title, lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    add_error_handlers(app, component)
+    if allowed_hosts is not None:
+        from starlette.middleware.trustedhost import TrustedHostMiddleware
+
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts))
+    return app
+
+
 def run_uvicorn(
     app: FastAPI,
     *,
