@@ -48,6 +48,9 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
 
 
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8_e4m3")
+
+
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     block_size: int = 16
@@ -55,10 +58,16 @@ class CacheConfig:
     kv_cache_memory_gb: float = 2.0
     enable_prefix_caching: bool = True
     swap_space_gb: float = 4.0  # host-memory tier for swapped-out KV (only with preemption_mode "swap")
+    # How K/V are stored (kv/quant.py): "auto" is the model's dtype; int8 and fp8_e4m3 keep one float32
+    # scale per token and kv head; int4 (keys per channel, values per token, the newest tokens kept
+    # unquantized until their block fills) is not implemented yet.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.swap_space_gb < 0:
             raise ValueError("swap_space_gb must be >= 0")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose from {list(KV_CACHE_DTYPES)}")
 
 
 PREEMPTION_MODES = ("recompute", "swap")

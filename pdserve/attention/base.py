@@ -17,6 +17,8 @@ from typing import Protocol
 
 import torch
 
+from pdserve.kv.cache import LayerCache
+
 
 @dataclass(slots=True)
 class PrefillSeq:
@@ -63,15 +65,14 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,  # [T, num_heads, head_dim]
         k: torch.Tensor,  # [T, num_kv_heads, head_dim]
         v: torch.Tensor,
-        k_cache: torch.Tensor,  # [num_kv_heads, num_blocks, block_size, head_dim]
-        v_cache: torch.Tensor,
+        cache: LayerCache,  # the layer's paged K/V (kv/cache.py owns their layout)
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Write k/v to the cache at meta.slot_mapping, then attend."""
         ...
 
-    def warmup(self, k_cache: torch.Tensor, num_heads: int) -> None:
+    def warmup(self, cache: LayerCache, num_heads: int) -> None:
         """Compile or otherwise prepare kernels before the first request (may do nothing)."""
         ...
 

@@ -26,6 +26,7 @@ import torch
 
 from pdserve.attention.base import AttentionMetadata, DecodeGroup
 from pdserve.attention.torch_ref import TorchAttention
+from pdserve.kv.cache import LayerCache
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +55,9 @@ class CpuPagedAttention(TorchAttention):
     def __init__(self) -> None:
         self._kernel = load_kernel()
 
-    def kernel_paths(self, k_cache: torch.Tensor, num_heads: int) -> tuple[str, str, str | None]:
+    def kernel_paths(self, cache: LayerCache, num_heads: int) -> tuple[str, str, str | None]:
         """(decode path, prefill path, why either is not the fast one or None) for a model's cache."""
+        k_cache = cache.k
         kvh, _, block_size, head_dim = k_cache.shape
         bf16 = k_cache.dtype == torch.bfloat16
         fast_decode = bool(self._kernel.decode_fast_path(bf16, num_heads, kvh, head_dim))
@@ -75,26 +77,26 @@ class CpuPagedAttention(TorchAttention):
                 why = f"block size {block_size} is not a multiple of 16"
         return decode, prefill, why
 
-    def warmup(self, k_cache: torch.Tensor, num_heads: int) -> None:
-        decode, prefill, why = self.kernel_paths(k_cache, num_heads)
+    def warmup(self, cache: LayerCache, num_heads: int) -> None:
+        decode, prefill, why = self.kernel_paths(cache, num_heads)
         if why is None:
             logger.info("attention cpu-paged: decode %s, prefill %s", decode, prefill)
         else:
             logger.warning("attention cpu-paged: decode %s, prefill %s: slow path because %s", decode, prefill, why)
 
-    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup, scale: float) -> torch.Tensor:
-        return self._kernel.paged_decode(q, k_cache, v_cache, g.block_table, g.context_lens, scale)
+    def decode(self, q: torch.Tensor, cache: LayerCache, g: DecodeGroup, scale: float) -> torch.Tensor:
+        return self._kernel.paged_decode(q, cache.k, cache.v, g.block_table, g.context_lens, scale)
 
-    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
-        self._kernel.write_kv(k, v, k_cache, v_cache, slots)
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, slots: torch.Tensor) -> None:
+        self._kernel.write_kv(k, v, cache.k, cache.v, slots)
 
-    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
+    def prefill(self, q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
         m = meta
         if m.prefill_block_table is not None and m.prefill_context_lens is not None:
             assert m.prefill_query_starts is not None and m.prefill_query_lens is not None
             if self._kernel.paged_prefill(
-                q, k_cache, v_cache, m.prefill_block_table, m.prefill_query_starts, m.prefill_query_lens,
+                q, cache.k, cache.v, m.prefill_block_table, m.prefill_query_starts, m.prefill_query_lens,
                 m.prefill_context_lens, scale, out,
             ):
                 return
-        super().prefill(q, k, v, k_cache, v_cache, meta, scale, out)
+        super().prefill(q, k, v, cache, meta, scale, out)

@@ -13,6 +13,7 @@ import torch
 
 from pdserve.attention.base import DecodeGroup
 from pdserve.attention.torch_ref import TorchAttention
+from pdserve.kv.cache import LayerCache
 
 
 def _paged_decode(
@@ -41,7 +42,8 @@ class CompiledTorchAttention(TorchAttention):
     def __init__(self) -> None:
         self._decode = torch.compile(_paged_decode, dynamic=True)
 
-    def warmup(self, k_cache: torch.Tensor, num_heads: int) -> None:
+    def warmup(self, cache: LayerCache, num_heads: int) -> None:
+        k_cache = cache.k
         kvh, num_blocks, block_size, d = k_cache.shape
         dev = k_cache.device
         # A general shape, then the size-1 specialisations (one request, one block) that dynamo adds.
@@ -51,5 +53,5 @@ class CompiledTorchAttention(TorchAttention):
             ctx = torch.ones(b, dtype=torch.int64, device=dev)
             self._decode(q, k_cache, k_cache, table, ctx, 1.0)
 
-    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup, scale: float) -> torch.Tensor:
-        return self._decode(q, k_cache, v_cache, g.block_table, g.context_lens, scale)
+    def decode(self, q: torch.Tensor, cache: LayerCache, g: DecodeGroup, scale: float) -> torch.Tensor:
+        return self._decode(q, cache.k, cache.v, g.block_table, g.context_lens, scale)

@@ -12,34 +12,36 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.attention.base import AttentionMetadata, DecodeGroup
+from pdserve.kv.cache import LayerCache
 
 
 class TorchAttention:
     name = "torch"
     pads_decodes = True
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:  # type: ignore[no-untyped-def]
-        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    def forward(self, q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        self.write_kv(k, v, cache, meta.slot_mapping)
         groups = meta.decode_groups
         if not meta.prefills and len(groups) == 1 and groups[0].num_seqs == q.shape[0]:
-            return self.decode(q, k_cache, v_cache, groups[0], scale)  # a decode-only step: no copy into `out`
+            return self.decode(q, cache, groups[0], scale)  # a decode-only step: no copy into `out`
         out = torch.empty_like(q)
         for g in meta.decode_groups:
             s, n = g.query_start, g.num_seqs
             # Gather whole blocks (contiguous rows), not single slots: several times faster on CPU.
-            out[s : s + n] = self.decode(q[s : s + n], k_cache, v_cache, g, scale)
+            out[s : s + n] = self.decode(q[s : s + n], cache, g, scale)
         if meta.prefills:
-            self.prefill(q, k, v, k_cache, v_cache, meta, scale, out)
+            self.prefill(q, k, v, cache, meta, scale, out)
         return out
 
-    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, slots: torch.Tensor) -> None:
         """k, v [T, KVH, D] into the caches [KVH, blocks, block_size, D] at slots (block * block_size + offset)."""
-        kvh, _, _, d = k_cache.shape
-        k_cache.view(kvh, -1, d).index_copy_(1, slots, k.transpose(0, 1))
-        v_cache.view(kvh, -1, d).index_copy_(1, slots, v.transpose(0, 1))
+        kvh, _, _, d = cache.k.shape
+        cache.k.view(kvh, -1, d).index_copy_(1, slots, k.transpose(0, 1))
+        cache.v.view(kvh, -1, d).index_copy_(1, slots, v.transpose(0, 1))
 
-    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
+    def prefill(self, q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
         """Attention of every prefill chunk, into its rows of `out` (K/V already in the cache)."""
+        k_cache, v_cache = cache.k, cache.v
         kvh, _, _, d = k_cache.shape
         for p in meta.prefills:
             s, e = p.query_start, p.query_start + p.query_len
@@ -54,10 +56,11 @@ class TorchAttention:
                 o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=True)
             out[s:e] = o.squeeze(0).transpose(0, 1)
 
-    def warmup(self, k_cache: torch.Tensor, num_heads: int) -> None:
+    def warmup(self, cache: LayerCache, num_heads: int) -> None:
         pass
 
-    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup, scale: float) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, cache: LayerCache, g: DecodeGroup, scale: float) -> torch.Tensor:
+        k_cache, v_cache = cache.k, cache.v
         kvh, _, _, d = k_cache.shape
         table = g.block_table.reshape(-1)
         kd = k_cache.index_select(1, table).view(kvh, g.num_seqs, -1, d)  # [KVH, B, S, D]

@@ -105,7 +105,7 @@ class LLMEngine(EngineLoop):
         host_pool = HostBlockPool(num_host_blocks) if num_host_blocks else None
         scheduler = Scheduler(sc, block_manager, make_policy(sc.policy, sc), host_pool)
         attn = self._make_attention(config.attention_backend)
-        attn.warmup(self.kv_cache.layers[0][0], model_config.num_heads)
+        attn.warmup(self.kv_cache.layers[0], model_config.num_heads)
         self.runner = ModelRunner(self.model, self.kv_cache, attn, self.device, config.seed)
         eos = set(model_config.eos_token_ids)
         if tokenizer is not None:

@@ -9,6 +9,8 @@ batched matmuls consume without another copy (measured: the copy cost as much as
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from pdserve.config import ModelConfig
@@ -17,6 +19,23 @@ from pdserve.config import ModelConfig
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+@dataclass(slots=True)
+class LayerCache:
+    """One layer's paged K/V as the attention backends see it: `k`, `v` are
+    `[num_kv_heads, num_blocks, block_size, head_dim]` in the storage dtype; a quantized cache also has
+    `k_scale`, `v_scale` `[num_kv_heads, num_blocks, block_size]` float32 (one scale per token and kv head;
+    the stored value times its scale is the real one). None for an unquantized cache."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
 
 
 class KVCache:
@@ -37,7 +56,7 @@ class KVCache:
         self.data = torch.zeros(
             cfg.num_layers, 2, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim, dtype=dtype, device=device
         )
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [(self.data[i, 0], self.data[i, 1]) for i in range(cfg.num_layers)]
+        self.layers: list[LayerCache] = [LayerCache(self.data[i, 0], self.data[i, 1]) for i in range(cfg.num_layers)]
         self._pinned = device.type == "cuda"
         self.host: torch.Tensor | None = None
         if num_host_blocks:

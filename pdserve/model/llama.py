@@ -20,6 +20,7 @@ from torch import nn
 
 from pdserve.attention.base import AttentionBackend, AttentionMetadata
 from pdserve.config import ModelConfig
+from pdserve.kv.cache import LayerCache
 from pdserve.model.linear import LINEAR_KINDS, LinearPlan, PackedLinear, pack_cpu_linears
 from pdserve.model.ops import FusedCpuOps, TorchOps, fused_cpu_ops, rms_norm
 
@@ -67,8 +68,7 @@ class LlamaLayer(nn.Module):
         delta: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        cache: LayerCache,
         meta: AttentionMetadata,
         attn: AttentionBackend,
         ops: TorchOps | FusedCpuOps,
@@ -77,7 +77,7 @@ class LlamaLayer(nn.Module):
         t = x.shape[0]
         x, h = ops.add_rms_norm(x, delta, self.input_norm, self.eps)
         q, k, v = ops.rope_qkv(self.linear(h, "qkv", self.qkv_bias), cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
-        a = attn.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        a = attn.forward(q, k, v, cache, meta, self.scale)
         x, h = ops.add_rms_norm(x, self.linear(a.reshape(t, self.q_size), "o"), self.post_norm, self.eps)
         return x, self.linear(ops.silu_mul(self.linear(h, "gate_up")), "down")
 
@@ -102,7 +102,7 @@ class LlamaModel(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer [blocks, block_size, kv_heads, head_dim]
+        kv_caches: list[LayerCache],  # per layer (kv/cache.py)
         meta: AttentionMetadata,
         attn: AttentionBackend,
         after_layer: Callable[[int], None] | None = None,
@@ -111,8 +111,8 @@ class LlamaModel(nn.Module):
         x = F.embedding(input_ids, self.embed)
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
         delta = None
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
-            x, delta = layer(x, delta, cos, sin, k_cache, v_cache, meta, attn, self.ops)
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+            x, delta = layer(x, delta, cos, sin, cache, meta, attn, self.ops)
             if after_layer is not None:
                 after_layer(i)
         return x + delta

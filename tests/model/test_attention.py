@@ -8,6 +8,7 @@ import torch
 
 from pdserve.attention.base import AttentionMetadata, DecodeGroup, PrefillSeq
 from pdserve.attention import get_attention_backend
+from pdserve.kv.cache import LayerCache
 
 
 def naive(q, k, v, scale):  # q [L, H, D] for the last L positions; k, v [S, KVH, D]
@@ -62,7 +63,7 @@ def test_mixed_step_matches_naive(dtype, tol, backend, head_dim):
         prefills=[PrefillSeq(nd, 11, 11, None, None), PrefillSeq(nd + 11, n, c + n, torch.tensor(tables[4]), chunk_mask)],
     )
     q, k, v = torch.cat(q_parts), torch.cat(k_new), torch.cat(v_new)
-    out = get_attention_backend(backend).forward(q, k, v, k_cache, v_cache, meta, D**-0.5)
+    out = get_attention_backend(backend).forward(q, k, v, LayerCache(k_cache, v_cache), meta, D**-0.5)
     start = 0
     for i, qp in enumerate(q_parts):
         ref = naive(qp, full_k[i], full_v[i], D**-0.5)
@@ -133,7 +134,7 @@ def test_cpu_paged_decode_long_contexts(cpu_paged, block_size, shape):
     table = torch.tensor([t + [0] * (max_nb - len(t)) for t in tables])
     q = torch.randn(len(ctx), H, D, generator=g).bfloat16()
     group = DecodeGroup(0, len(ctx), table, torch.tensor(ctx), None)  # type: ignore[arg-type]
-    out = cpu_paged.decode(q, k_cache, v_cache, group, D**-0.5)
+    out = cpu_paged.decode(q, LayerCache(k_cache, v_cache), group, D**-0.5)
     for i, (c, t) in enumerate(zip(ctx, tables)):
         rows = torch.tensor([t[j // block_size] * block_size + j % block_size for j in range(c)])
         kk = k_cache.reshape(KVH, -1, D)[:, rows].transpose(0, 1)  # [c, KVH, D]
@@ -143,7 +144,7 @@ def test_cpu_paged_decode_long_contexts(cpu_paged, block_size, shape):
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(cpu_paged.decode(q, k_cache, v_cache, group, D**-0.5), out)
+        assert torch.equal(cpu_paged.decode(q, LayerCache(k_cache, v_cache), group, D**-0.5), out)
     finally:
         torch.set_num_threads(threads)
 
@@ -194,8 +195,8 @@ def test_cpu_paged_write_kv_matches_index_copy(cpu_paged, dtype):
     slots = torch.randperm(nblocks * bs, generator=g)[:T]
     caches = [torch.randn(KVH, nblocks, bs, D, generator=g).to(dtype) for _ in range(2)]
     ref = [c.clone() for c in caches]
-    cpu_paged.write_kv(k, v, caches[0], caches[1], slots)
-    get_attention_backend("torch").write_kv(k, v, ref[0], ref[1], slots)
+    cpu_paged.write_kv(k, v, LayerCache(caches[0], caches[1]), slots)
+    get_attention_backend("torch").write_kv(k, v, LayerCache(ref[0], ref[1]), slots)
     assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
     with pytest.raises(RuntimeError, match="out of range"):
-        cpu_paged.write_kv(k[:1], v[:1], caches[0], caches[1], torch.tensor([nblocks * bs]))
+        cpu_paged.write_kv(k[:1], v[:1], LayerCache(caches[0], caches[1]), torch.tensor([nblocks * bs]))
