@@ -21,10 +21,9 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
-from pdserve.bench.client import LoadConfig, fetch_model_name, fetch_prefix_cache_hits, run_requests
+from pdserve.bench.client import fetch_model_name, fetch_prefix_cache_hits, run_requests
 from pdserve.bench.datasets import (
     DecodingTokenizer,
-    LongPromptMix,
     SampleRequest,
     Tokenizer,
     load_sharegpt_records,
@@ -33,11 +32,12 @@ from pdserve.bench.datasets import (
     sample_sharegpt,
 )
 from pdserve.bench.metrics import SLO, BenchMetrics, Distribution, RequestRecord, compute_metrics
+from pdserve.config import BENCH_DATASETS, LoadConfig, LongPromptMix, Workload
 from pdserve.errors import PdserveError
 
 logger = logging.getLogger(__name__)
 
-DATASETS = ("sharegpt", "random", "long-prompt")
+DATASETS = BENCH_DATASETS  # the name this module always exported
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -49,35 +49,20 @@ class BenchResult:
     prefix_cache_hit_tokens: int | None = None
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Workload:
-    """What to send: the dataset and its knobs. The same workload is replayed by every run of a sweep or
-    comparison."""
-
-    dataset: str = "sharegpt"
-    num_prompts: int = 200
-    seed: int = 0
-    random_input_len: int = 1024
-    random_output_len: int = 128
-    long_prompt: LongPromptMix = LongPromptMix()
-
-    def __post_init__(self) -> None:
-        if self.dataset not in DATASETS:
-            raise ValueError(f"unknown dataset {self.dataset!r}: expected one of {', '.join(DATASETS)}")
-
-    def samples(self, tokenizer: DecodingTokenizer) -> list[SampleRequest]:
-        samples = load_samples(
-            tokenizer,
-            self.dataset,
-            self.num_prompts,
-            self.seed,
-            self.random_input_len,
-            self.random_output_len,
-            long_prompt=self.long_prompt,
-        )
-        if not samples:
-            raise ValueError("the workload is empty")
-        return samples
+def workload_samples(workload: Workload, tokenizer: DecodingTokenizer) -> list[SampleRequest]:
+    """The requests `workload` describes, prompts counted with `tokenizer`; ValueError if there are none."""
+    samples = load_samples(
+        tokenizer,
+        workload.dataset,
+        workload.num_prompts,
+        workload.seed,
+        workload.random_input_len,
+        workload.random_output_len,
+        long_prompt=workload.long_prompt,
+    )
+    if not samples:
+        raise ValueError("the workload is empty")
+    return samples
 
 
 def load_samples(
@@ -183,11 +168,16 @@ def run_bench(
     `plot_dir` and a Perfetto trace to `trace`. `count_outputs`: re-count outputs with `tokenizer` (None:
     only when the served model is pdserve's default)."""
     tokenizer = tokenizer or default_tokenizer()
-    workload = Workload(dataset, num_prompts, seed, random_input_len, random_output_len, long_prompt)
-    samples = workload.samples(tokenizer)
+    workload = Workload(
+        dataset=dataset, num_prompts=num_prompts, seed=seed, random_input_len=random_input_len,
+        random_output_len=random_output_len, long_prompt=long_prompt,
+    )
+    samples = workload_samples(workload, tokenizer)
     if model is None:
         model = asyncio.run(fetch_model_name(base_url))
-    load = LoadConfig(base_url, model, endpoint, request_rate, burstiness, max_concurrency, seed)
+    load = LoadConfig(
+        base_url=base_url, model=model, endpoint=endpoint, request_rate=request_rate, burstiness=burstiness, max_concurrency=max_concurrency, seed=seed,
+    )
     result = run_once(load, samples, slo, output_tokenizer(model, tokenizer, count_outputs), show_progress)
     print(format_table(result.metrics, load), file=stdout)
     if out is not None:
