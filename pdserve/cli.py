@@ -322,17 +322,14 @@ def add_http_limit_args(p: argparse.ArgumentParser, cls: type, connections_field
                    "$PDSERVE_CLUSTER_SECRET; `serve --disagg` makes one)")
 
 
-def cmd_router(args: argparse.Namespace) -> int:
-    """Run the prefill/decode router: an OpenAI-compatible front over prefill and decode instances."""
+def router_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The `pdserve router` command line as a `RouterConfig`."""
     from pdserve.config import RouterConfig
-    from pdserve.router.app import serve_router
 
     def urls(values: list[str]) -> tuple[str, ...]:
         return tuple(u.strip() for v in values for u in v.split(",") if u.strip())
 
-    if args.log_level.upper() == "WARNING":  # the default: a server should say what it is doing
-        logging.getLogger("pdserve").setLevel(logging.INFO)
-    config = RouterConfig(
+    return RouterConfig(
         prefill_urls=urls(args.prefill),
         decode_urls=urls(args.decode),
         host=args.host,
@@ -351,11 +348,20 @@ def cmd_router(args: argparse.Namespace) -> int:
         allowed_hosts=_hosts(args.allowed_hosts),
         max_client_connections=args.max_connections,
     )
-    serve_router(config)
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    """Run the prefill/decode router: an OpenAI-compatible front over prefill and decode instances."""
+    from pdserve.router.app import serve_router
+
+    if args.log_level.upper() == "WARNING":  # the default: a server should say what it is doing
+        logging.getLogger("pdserve").setLevel(logging.INFO)
+    serve_router(router_config(args))
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every command's parser (tests read defaults and --help from it)."""
     parser = argparse.ArgumentParser(prog="pdserve", description="pdserve: prefill/decode-aware LLM serving")
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -421,7 +427,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     add_http_limit_args(p, RouterConfig, "max_client_connections")
     p.set_defaults(func=cmd_router)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # `serve --disagg` passes them on to instances
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -120,7 +120,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 # and model/linear.py's LINEAR_KINDS (tests/unit/test_layering.py holds them equal).
 SCHEDULER_POLICIES = ("prefill-first", "chunked", "decode-priority", "slo")
 KV_TRANSFER_BACKENDS = ("inproc", "shm", "tcp", "torch.distributed")
-ATTENTION_BACKENDS = ("torch", "cpu-paged", "torch-compiled")  # and "auto": see LLMEngine
+ATTENTION_BACKENDS = ("torch", "torch-compiled", "cpu-paged")  # and "auto": see LLMEngine
 LINEAR_KERNELS = ("auto", "pdserve", "onednn", "torch")
 ROUTER_POLICIES = ("round-robin", "least-outstanding-tokens", "least-kv-usage")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 (engine/llm_engine.py resolve_dtype)
