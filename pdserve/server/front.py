@@ -22,7 +22,7 @@ from pdserve.config import ServerConfig
 from pdserve.engine.process.messages import KVTransferParams, Ready, RequestDelta
 from pdserve.server import wire
 from pdserve.server.chat import ChatEncoder
-from pdserve.server.engine_client import EngineClient, EngineDeadError, OverloadedError
+from pdserve.engine.process.client import EngineClient, EngineDeadError, OverloadedError
 from pdserve.server.guards import check_api_key, check_cluster, check_json_content_type, read_body
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.protocol import APIError, LogprobFormatter, bad_request, choice_seed

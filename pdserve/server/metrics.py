@@ -301,6 +301,19 @@ class ServerMetrics:
         if num_output_tokens > 1:
             self.tpot.observe(decode_time / (num_output_tokens - 1))
 
+    def observe_aborted(self, num_requests: int) -> None:
+        self.aborted.inc(num_requests)
+
+    def observe_failed(self, num_requests: int) -> None:
+        self.finished["error"].inc(num_requests)
+
+    def observe_dropped(self, channel: str) -> None:
+        self.dropped[channel].inc()
+
+    def observe_engine_restart(self) -> None:
+        self.engine = EngineStats(0, 0, 0.0, 0, 0, 0)  # the new core counts from zero
+        self.engine_restarts.inc()
+
 
 class _PolicySeries:
     """Exposes `ServerMetrics.policy_series` at every scrape: `name{label="value",...}` keys grouped into
