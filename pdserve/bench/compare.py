@@ -122,7 +122,8 @@ def run_compare(
     process per mode. `model`: the name to send (default: the first each server lists)."""
     # Built before any server starts, so that a bad value fails at once; base URL and model come per mode.
     arrivals = LoadConfig(
-        base_url="", model="", endpoint=endpoint, request_rate=request_rate, burstiness=burstiness, max_concurrency=max_concurrency, seed=workload.seed,
+        base_url="", model="", endpoint=endpoint, request_rate=request_rate, burstiness=burstiness,
+        max_concurrency=max_concurrency, seed=workload.seed,
     )
     tokenizer = tokenizer or default_tokenizer()
     samples = workload_samples(workload, tokenizer)

@@ -33,6 +33,7 @@ from pdserve.bench.datasets import (
 )
 from pdserve.bench.metrics import SLO, BenchMetrics, Distribution, RequestRecord, compute_metrics
 from pdserve.config import BENCH_DATASETS, LoadConfig, LongPromptMix, Workload
+from pdserve.config import field_default as _default
 from pdserve.errors import PdserveError
 
 logger = logging.getLogger(__name__)
@@ -70,8 +71,8 @@ def load_samples(
     dataset: str,
     num_prompts: int,
     seed: int,
-    random_input_len: int = 1024,
-    random_output_len: int = 128,
+    random_input_len: int = _default(Workload, "random_input_len"),
+    random_output_len: int = _default(Workload, "random_output_len"),
     *,
     long_prompt: LongPromptMix = LongPromptMix(),
 ) -> list[SampleRequest]:
@@ -146,16 +147,16 @@ def run_bench(
     model: str | None,
     dataset: str,
     num_prompts: int,
-    request_rate: float = math.inf,
-    burstiness: float = 1.0,
+    request_rate: float = _default(LoadConfig, "request_rate"),
+    burstiness: float = _default(LoadConfig, "burstiness"),
     max_concurrency: int | None = None,
-    seed: int = 0,
+    seed: int = _default(Workload, "seed"),
     slo: SLO | None = None,
     out: str | None = None,
     *,
-    endpoint: str = "completions",
-    random_input_len: int = 1024,
-    random_output_len: int = 128,
+    endpoint: str = _default(LoadConfig, "endpoint"),
+    random_input_len: int = _default(Workload, "random_input_len"),
+    random_output_len: int = _default(Workload, "random_output_len"),
     long_prompt: LongPromptMix = LongPromptMix(),
     tokenizer: DecodingTokenizer | None = None,
     count_outputs: bool | None = None,
@@ -176,7 +177,8 @@ def run_bench(
     if model is None:
         model = asyncio.run(fetch_model_name(base_url))
     load = LoadConfig(
-        base_url=base_url, model=model, endpoint=endpoint, request_rate=request_rate, burstiness=burstiness, max_concurrency=max_concurrency, seed=seed,
+        base_url=base_url, model=model, endpoint=endpoint, request_rate=request_rate, burstiness=burstiness,
+        max_concurrency=max_concurrency, seed=seed,
     )
     result = run_once(load, samples, slo, output_tokenizer(model, tokenizer, count_outputs), show_progress)
     print(format_table(result.metrics, load), file=stdout)

@@ -150,7 +150,8 @@ def run_sweep(
         model = asyncio.run(fetch_model_name(base_url))
     count_tokenizer = output_tokenizer(model, tokenizer, count_outputs)
     template = LoadConfig(
-        base_url=base_url, model=model, endpoint=endpoint, request_rate=math.inf, burstiness=burstiness, max_concurrency=max_concurrency, seed=workload.seed,
+        base_url=base_url, model=model, endpoint=endpoint, request_rate=math.inf, burstiness=burstiness,
+        max_concurrency=max_concurrency, seed=workload.seed,
     )
     points = []
     for rate in rates:
