@@ -107,7 +107,8 @@ def add_disagg_args(p: argparse.ArgumentParser) -> None:
     arg(g, "--kv-transfer-port", KVTransferConfig, "port", help="tcp: port for KV (0: any free one)")
     arg(g, "--kv-ack-timeout", KVTransferConfig, "ack_timeout_s",
         help="prefill side: seconds the decode side may take to acknowledge the KV")
-    arg(g, "--kv-lease", KVTransferConfig, "lease_s", help="decode side: seconds reserved blocks wait for a prompt's KV")
+    arg(g, "--kv-lease", KVTransferConfig, "lease_s",
+        help="decode side: seconds reserved blocks wait for a prompt's KV")
     g.add_argument("--kv-verify", action="store_true", help="checksum every KV chunk (tcp always does)")
 
 

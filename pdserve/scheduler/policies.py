@@ -269,7 +269,8 @@ class SLOAware(Policy):
         return None
 
     def stats(self) -> dict[str, float]:
-        out = {f'step_model_coefficient_seconds{{term="{t}"}}': c for t, c in zip(TERMS, self.step_model.coefficients)}
+        coefficients = zip(TERMS, self.step_model.coefficients)
+        out = {f'step_model_coefficient_seconds{{term="{t}"}}': c for t, c in coefficients}
         out["slo_ttft_violations_predicted_total"] = self.num_ttft_violations_predicted
         out["slo_rejected_requests_total"] = self.num_rejected
         return out

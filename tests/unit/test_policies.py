@@ -315,7 +315,9 @@ class _Counting(Chunked):
         self.num_refused = 0
         self.num_asked = 0
 
-    def observe_step(self, duration: float, num_prefill_tokens: int, num_decode_seqs: int, num_context_tokens: int) -> None:
+    def observe_step(
+        self, duration: float, num_prefill_tokens: int, num_decode_seqs: int, num_context_tokens: int
+    ) -> None:
         self.num_observed += 1
 
     def admission_error(self, req: Request, running, waiting) -> str | None:  # type: ignore[no-untyped-def]
