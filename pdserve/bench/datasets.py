@@ -258,3 +258,4 @@ def sample_long_prompt(
         raise ValueError(f"only {len(shorts)} of {num_short} short chats available")
     long_iter, short_iter = iter(longs), iter(shorts)
     return [next(long_iter) if i in long_positions else next(short_iter) for i in range(num_prompts)]
+

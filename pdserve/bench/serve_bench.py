@@ -18,7 +18,7 @@ import logging
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TextIO
 
 from pdserve.bench.client import fetch_model_name, fetch_prefix_cache_hits, run_requests
@@ -32,13 +32,22 @@ from pdserve.bench.datasets import (
     sample_sharegpt,
 )
 from pdserve.bench.metrics import SLO, BenchMetrics, Distribution, RequestRecord, compute_metrics
-from pdserve.config import BENCH_DATASETS, LoadConfig, LongPromptMix, Workload
+from pdserve.config import LoadConfig, LongPromptMix, Workload
 from pdserve.config import field_default as _default
 from pdserve.errors import PdserveError
+from pdserve.registry import Registry
 
 logger = logging.getLogger(__name__)
 
-DATASETS = BENCH_DATASETS  # the name this module always exported
+# Dataset name -> sampler(tokenizer, workload); `config.BENCH_DATASETS` spells the same names.
+DATASETS: Registry[Callable[[DecodingTokenizer, Workload], list[SampleRequest]]] = Registry(
+    "dataset",
+    {
+        "sharegpt": "pdserve.bench.serve_bench:sharegpt_workload",
+        "random": "pdserve.bench.serve_bench:random_workload",
+        "long-prompt": "pdserve.bench.serve_bench:long_prompt_workload",
+    },
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -52,15 +61,7 @@ class BenchResult:
 
 def workload_samples(workload: Workload, tokenizer: DecodingTokenizer) -> list[SampleRequest]:
     """The requests `workload` describes, prompts counted with `tokenizer`; ValueError if there are none."""
-    samples = load_samples(
-        tokenizer,
-        workload.dataset,
-        workload.num_prompts,
-        workload.seed,
-        workload.random_input_len,
-        workload.random_output_len,
-        long_prompt=workload.long_prompt,
-    )
+    samples = DATASETS.load(workload.dataset)(tokenizer, workload)
     if not samples:
         raise ValueError("the workload is empty")
     return samples
@@ -76,18 +77,33 @@ def load_samples(
     *,
     long_prompt: LongPromptMix = LongPromptMix(),
 ) -> list[SampleRequest]:
-    if dataset == "sharegpt":
-        return sample_sharegpt(tokenizer, num_prompts, seed)
-    if dataset == "random":
-        return sample_random(tokenizer, num_prompts, random_input_len, random_output_len, seed)
-    if dataset == "long-prompt":
-        try:
-            records: list[dict] | None = load_sharegpt_records()
-        except FileNotFoundError:
-            logger.info("ShareGPT is not installed: the short chats are random prompts")
-            records = None
-        return sample_long_prompt(tokenizer, num_prompts, seed, long_prompt, short_records=records)
-    raise ValueError(f"unknown dataset {dataset!r}: expected one of {', '.join(DATASETS)}")
+    """The samples of one dataset, by its parts (the registry's samplers take a whole `Workload`)."""
+    workload = Workload(
+        dataset=dataset, num_prompts=num_prompts, seed=seed, random_input_len=random_input_len,
+        random_output_len=random_output_len, long_prompt=long_prompt,
+    )
+    return DATASETS.load(dataset)(tokenizer, workload)
+
+
+# The samplers of `DATASETS`: one workload's samples, prompts counted with `tokenizer`.
+
+
+def sharegpt_workload(tokenizer: DecodingTokenizer, w: Workload) -> list[SampleRequest]:
+    return sample_sharegpt(tokenizer, w.num_prompts, w.seed)
+
+
+def random_workload(tokenizer: DecodingTokenizer, w: Workload) -> list[SampleRequest]:
+    return sample_random(tokenizer, w.num_prompts, w.random_input_len, w.random_output_len, w.seed)
+
+
+def long_prompt_workload(tokenizer: DecodingTokenizer, w: Workload) -> list[SampleRequest]:
+    """Long random prompts among ShareGPT chats, or among random ones where ShareGPT is not installed."""
+    try:
+        records: list[dict] | None = load_sharegpt_records()
+    except FileNotFoundError:
+        logger.info("ShareGPT is not installed: the short chats are random prompts")
+        records = None
+    return sample_long_prompt(tokenizer, w.num_prompts, w.seed, w.long_prompt, short_records=records)
 
 
 def default_tokenizer() -> DecodingTokenizer:

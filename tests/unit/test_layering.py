@@ -143,6 +143,7 @@ def test_registries_match_the_names_config_accepts():
     found = registries_in(PACKAGE_ROOT)
     assert sorted(found["pdserve.attention.base.ATTENTION_BACKENDS"]) == sorted(config.ATTENTION_BACKENDS)
     assert sorted(found["pdserve.router.policies.POLICIES"]) == sorted(config.ROUTER_POLICIES)
+    assert sorted(found["pdserve.bench.serve_bench.DATASETS"]) == sorted(config.BENCH_DATASETS)
     assert module_constant(PACKAGE_ROOT / "model" / "linear.py", "LINEAR_KINDS") == config.LINEAR_KERNELS
     assert set(found) >= {"pdserve.scheduler.policies.POLICIES", "pdserve.transfer.registry.TRANSPORTS"}
 
