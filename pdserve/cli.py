@@ -10,54 +10,56 @@ from pdserve.errors import PdserveError
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine's flags. Defaults and choices come from pdserve/config.py (`add_config_argument`)."""
+    from pdserve.config import (
+        ATTENTION_BACKENDS,
+        DTYPES,
+        KV_CACHE_DTYPES,
+        LINEAR_KERNELS,
+        PREEMPTION_MODES,
+        SCHEDULER_POLICIES,
+        CacheConfig,
+        EngineConfig,
+        SchedulerConfig,
+    )
+    from pdserve.config import add_config_argument as arg
+
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="a .gguf file, a Hugging Face directory or a model name: smollm2-135m-instruct (the default), qwen2.5-coder-0.5b-instruct, qwen2.5-coder-1.5b-instruct")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    g.add_argument(
-        "--scheduler", default="chunked",
-        help="scheduling policy: chunked (default: stall-free) | prefill-first | decode-priority | slo",
-    )
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-model-len", type=int, default=2048)
-    g.add_argument("--chunk-size", type=int, default=None)
-    g.add_argument(
-        "--decode-priority-max-decodes", type=int, default=64,
-        help="decode-priority: pause prefills while this many decodes run",
-    )
-    g.add_argument(
-        "--decode-priority-max-wait-steps", type=int, default=1,
-        help="decode-priority: pause prefills while a decode has gone more steps than this without a token",
-    )
-    g.add_argument(
-        "--decode-priority-max-decode-steps", type=int, default=8,
-        help="decode-priority: at most this many decode-only steps in a row while prompts wait",
-    )
-    g.add_argument("--slo-ttft-ms", type=float, default=500.0, help="slo: time-to-first-token target")
-    g.add_argument(
-        "--slo-itl-ms", type=float, default=50.0,
-        help="slo: inter-token latency target; prompt chunks are sized to keep steps under it",
-    )
-    g.add_argument(
-        "--slo-min-chunk", type=int, default=32,
-        help="slo: prompt tokens a step always gets, even when decodes alone exceed the ITL target",
-    )
+    arg(g, "--model", EngineConfig, "model", help="a .gguf file, a Hugging Face directory or a model name: smollm2-135m-instruct (the default), qwen2.5-coder-0.5b-instruct, qwen2.5-coder-1.5b-instruct")
+    arg(g, "--dtype", EngineConfig, "dtype", choices=DTYPES)
+    arg(g, "--device", EngineConfig, "device", help="auto | cpu | cuda")
+    arg(g, "--scheduler", SchedulerConfig, "policy", choices=SCHEDULER_POLICIES,
+        help="scheduling policy: chunked (default: stall-free) | prefill-first | decode-priority | slo")
+    arg(g, "--max-num-batched-tokens", SchedulerConfig, "max_num_batched_tokens")
+    arg(g, "--max-num-seqs", SchedulerConfig, "max_num_seqs")
+    arg(g, "--max-model-len", SchedulerConfig, "max_model_len")
+    arg(g, "--chunk-size", SchedulerConfig, "chunk_size", type=int)
+    arg(g, "--decode-priority-max-decodes", SchedulerConfig, "decode_priority_max_decodes",
+        help="decode-priority: pause prefills while this many decodes run")
+    arg(g, "--decode-priority-max-wait-steps", SchedulerConfig, "decode_priority_max_wait_steps",
+        help="decode-priority: pause prefills while a decode has gone more steps than this without a token")
+    arg(g, "--decode-priority-max-decode-steps", SchedulerConfig, "decode_priority_max_decode_steps",
+        help="decode-priority: at most this many decode-only steps in a row while prompts wait")
+    arg(g, "--slo-ttft-ms", SchedulerConfig, "slo_ttft_ms", help="slo: time-to-first-token target")
+    arg(g, "--slo-itl-ms", SchedulerConfig, "slo_itl_ms",
+        help="slo: inter-token latency target; prompt chunks are sized to keep steps under it")
+    arg(g, "--slo-min-chunk", SchedulerConfig, "slo_min_chunk",
+        help="slo: prompt tokens a step always gets, even when decodes alone exceed the ITL target")
     g.add_argument(
         "--slo-reject", action="store_true",
         help="slo: refuse (HTTP 503) requests predicted to miss their TTFT or to push decodes past the ITL",
     )
-    g.add_argument(
-        "--preemption-mode", default="recompute", choices=["recompute", "swap"],
-        help="when KV blocks run out: recompute the preempted request later, or swap its KV to host memory",
-    )
-    g.add_argument("--swap-space", type=float, default=4.0, help="swap: host-memory tier for KV, in GiB")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
+    arg(g, "--preemption-mode", SchedulerConfig, "preemption_mode", choices=PREEMPTION_MODES,
+        help="when KV blocks run out: recompute the preempted request later, or swap its KV to host memory")
+    arg(g, "--swap-space", CacheConfig, "swap_space_gb", help="swap: host-memory tier for KV, in GiB")
+    arg(g, "--block-size", CacheConfig, "block_size")
+    arg(g, "--kv-cache-memory-gb", CacheConfig, "kv_cache_memory_gb")
+    arg(g, "--kv-cache-dtype", CacheConfig, "kv_cache_dtype", choices=KV_CACHE_DTYPES,
+        help="how K/V are stored: auto (the model's dtype), or quantized with a scale per token and kv head")
     g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--num-threads", type=int, default=None)
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "torch-compiled", "cpu-paged"])
-    g.add_argument("--seed", type=int, default=0)
+    arg(g, "--num-threads", EngineConfig, "num_threads", type=int)
+    arg(g, "--attention-backend", EngineConfig, "attention_backend", choices=("auto", *ATTENTION_BACKENDS))
+    arg(g, "--seed", EngineConfig, "seed")
     g.add_argument(
         "--speculative-config", default=None, metavar="JSON",
         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
@@ -65,14 +67,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--no-fused-ops", action="store_true",
                    help="bf16 on CPU: keep the layer's elementwise steps as plain torch ops")
-    g.add_argument("--linear-kernel", default="auto", choices=["auto", "pdserve", "onednn", "torch"],
-                   help="bf16 on CPU: the projections' matmul (auto: the fastest per row count, measured "
-                   "at first start on this host and cached)")
+    arg(g, "--linear-kernel", EngineConfig, "linear_kernel", choices=LINEAR_KERNELS,
+        help="bf16 on CPU: the projections' matmul (auto: the fastest per row count, measured "
+        "at first start on this host and cached)")
     g.add_argument("--batch-invariant", action="store_true",
                    help="bf16 on CPU: one row-independent matmul kernel for every row count, so greedy "
                    "output does not depend on the batch (slower prompts and large batches)")
-    g.add_argument("--kernel-cache-dir", default=None,
-                   help="where measured kernel choices are kept (default: ~/.cache/pdserve/autotune; '' for none)")
+    arg(g, "--kernel-cache-dir", EngineConfig, "kernel_cache_dir",
+        help="where measured kernel choices are kept (default: ~/.cache/pdserve/autotune; '' for none)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -87,22 +89,26 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_disagg_args(p: argparse.ArgumentParser) -> None:
+    from pdserve.config import KV_TRANSFER_BACKENDS, ROLES, KVTransferConfig
+    from pdserve.config import add_config_argument as arg
+
     g = p.add_argument_group("prefill/decode disaggregation (docs/disaggregation.md)")
     g.add_argument(
         "--disagg", default=None, metavar="XpYd",
         help="start a local cluster instead: X prefill and Y decode instances (e.g. 1p1d) behind a router "
         "on --host/--port, KV over shared memory, the cores split between instances",
     )
-    g.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
-                   help="this instance's role behind `pdserve router` (both: colocated)")
-    g.add_argument("--kv-transfer", default=None, choices=["shm", "tcp", "torch.distributed"],
-                   help="KV transfer backend (required for --role prefill|decode)")
-    g.add_argument("--kv-transfer-host", default="127.0.0.1", help="tcp: interface (and address) for KV")
-    g.add_argument("--kv-transfer-port", type=int, default=0, help="tcp: port for KV (0: any free one)")
-    g.add_argument("--kv-ack-timeout", type=float, default=10.0,
-                   help="prefill side: seconds the decode side may take to acknowledge the KV")
-    g.add_argument("--kv-lease", type=float, default=120.0,
-                   help="decode side: seconds reserved blocks wait for a prompt's KV")
+    arg(g, "--role", KVTransferConfig, "role", choices=ROLES,
+        help="this instance's role behind `pdserve router` (both: colocated)")
+    arg(g, "--kv-transfer", KVTransferConfig, "backend",
+        choices=[b for b in KV_TRANSFER_BACKENDS if b != "inproc"],  # inproc: both ends in one process
+        help="KV transfer backend (required for --role prefill|decode)")
+    arg(g, "--kv-transfer-host", KVTransferConfig, "host", help="tcp: interface (and address) for KV")
+    arg(g, "--kv-transfer-port", KVTransferConfig, "port", help="tcp: port for KV (0: any free one)")
+    arg(g, "--kv-ack-timeout", KVTransferConfig, "ack_timeout_s",
+        help="prefill side: seconds the decode side may take to acknowledge the KV")
+    arg(g, "--kv-lease", KVTransferConfig, "lease_s",
+        help="decode side: seconds reserved blocks wait for a prompt's KV")
     g.add_argument("--kv-verify", action="store_true", help="checksum every KV chunk (tcp always does)")
 
 
@@ -140,15 +146,19 @@ def engine_config(args: argparse.Namespace, num_threads: int | None = None):  # 
             if getattr(args, "speculative_config", None) else None
         ),
         cache=CacheConfig(
-            args.block_size, None, args.kv_cache_memory_gb, not args.no_prefix_caching, args.swap_space
+            block_size=args.block_size,
+            kv_cache_memory_gb=args.kv_cache_memory_gb,
+            enable_prefix_caching=not args.no_prefix_caching,
+            swap_space_gb=args.swap_space,
+            kv_cache_dtype=args.kv_cache_dtype,
         ),
         scheduler=SchedulerConfig(
-            args.scheduler,
-            args.max_num_batched_tokens,
-            args.max_num_seqs,
-            args.max_model_len,
-            args.chunk_size,
-            args.preemption_mode,
+            policy=args.scheduler,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+            chunk_size=args.chunk_size,
+            preemption_mode=args.preemption_mode,
             decode_priority_max_decodes=args.decode_priority_max_decodes,
             decode_priority_max_wait_steps=args.decode_priority_max_wait_steps,
             decode_priority_max_decode_steps=args.decode_priority_max_decode_steps,
@@ -242,7 +252,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             spec = json.loads(args.random_weights)
             seed, std = int(spec.pop("seed", 0)), float(spec.pop("std", 0.02))
             spec["eos_token_ids"] = tuple(spec.get("eos_token_ids", ()))
-            random_model = RandomModelSpec(ModelConfig(**spec), seed, std)
+            random_model = RandomModelSpec(model_config=ModelConfig(**spec), seed=seed, std=std)
         except (ValueError, TypeError, AttributeError) as e:
             print(f"error: --random-weights: {e}", file=sys.stderr)
             return 2
@@ -294,16 +304,18 @@ def _hosts(value: str | None) -> tuple[str, ...] | None:
     return None if value is None else tuple(h.strip().lower() for h in value.split(",") if h.strip())
 
 
-def add_http_limit_args(p: argparse.ArgumentParser) -> None:
-    """Bounds on what one HTTP client may cost (server and router)."""
-    p.add_argument("--max-body-bytes", type=int, default=4 * 2**20,
-                   help="largest request body accepted (HTTP 413 beyond)")
+def add_http_limit_args(p: argparse.ArgumentParser, cls: type, connections_field: str) -> None:
+    """Bounds on what one HTTP client may cost (server: `ServerConfig`, router: `RouterConfig`, whose
+    client-connection limit is `connections_field`)."""
+    from pdserve.config import add_config_argument as arg
+
+    arg(p, "--max-body-bytes", cls, "max_body_bytes", help="largest request body accepted (HTTP 413 beyond)")
     p.add_argument("--allowed-hosts", default=None, metavar="HOST[,HOST...]",
                    help="serve only requests whose Host header names one of these (default: any)")
-    p.add_argument("--max-connections", type=int, default=2048,
-                   help="concurrent connections and requests served (HTTP 503 beyond)")
-    p.add_argument("--read-timeout", type=float, default=10.0,
-                   help="seconds a client may take to send a request's head, and again its body")
+    arg(p, "--max-connections", cls, connections_field,
+        help="concurrent connections and requests served (HTTP 503 beyond)")
+    arg(p, "--read-timeout", cls, "header_timeout_s",
+        help="seconds a client may take to send a request's head, and again its body")
     p.add_argument("--api-key", default=None,
                    help="clients must send `Authorization: Bearer KEY` (default: $PDSERVE_API_KEY; none: open)")
     p.add_argument("--cluster-secret", default=None,
@@ -311,16 +323,14 @@ def add_http_limit_args(p: argparse.ArgumentParser) -> None:
                    "$PDSERVE_CLUSTER_SECRET; `serve --disagg` makes one)")
 
 
-def cmd_router(args: argparse.Namespace) -> int:
-    """Run the prefill/decode router: an OpenAI-compatible front over prefill and decode instances."""
-    from pdserve.router.app import RouterConfig, serve_router
+def router_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The `pdserve router` command line as a `RouterConfig`."""
+    from pdserve.config import RouterConfig
 
     def urls(values: list[str]) -> tuple[str, ...]:
         return tuple(u.strip() for v in values for u in v.split(",") if u.strip())
 
-    if args.log_level.upper() == "WARNING":  # the default: a server should say what it is doing
-        logging.getLogger("pdserve").setLevel(logging.INFO)
-    config = RouterConfig(
+    return RouterConfig(
         prefill_urls=urls(args.prefill),
         decode_urls=urls(args.decode),
         host=args.host,
@@ -339,11 +349,20 @@ def cmd_router(args: argparse.Namespace) -> int:
         allowed_hosts=_hosts(args.allowed_hosts),
         max_client_connections=args.max_connections,
     )
-    serve_router(config)
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    """Run the prefill/decode router: an OpenAI-compatible front over prefill and decode instances."""
+    from pdserve.router.app import serve_router
+
+    if args.log_level.upper() == "WARNING":  # the default: a server should say what it is doing
+        logging.getLogger("pdserve").setLevel(logging.INFO)
+    serve_router(router_config(args))
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every command's parser (tests read defaults and --help from it)."""
     parser = argparse.ArgumentParser(prog="pdserve", description="pdserve: prefill/decode-aware LLM serving")
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -361,25 +380,25 @@ def main(argv: list[str] | None = None) -> int:
     add_sampling_args(p)
     p.set_defaults(func=cmd_chat)
 
+    from pdserve.config import ROUTER_POLICIES, RouterConfig, ServerConfig
+    from pdserve.config import add_config_argument as arg
+
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (engine core in its own process)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument(
-        "--served-model-name", default=None, help="the `model` clients send (default: the model file's name)"
-    )
-    p.add_argument("--max-waiting", type=int, default=512,
-                   help="most requests that may wait for their first token; more get HTTP 503")
-    p.add_argument(
-        "--stats-interval", type=float, default=10.0, help="seconds between stats log lines (0: off)"
-    )
+    arg(p, "--host", ServerConfig, "host")
+    arg(p, "--port", ServerConfig, "port")
+    arg(p, "--served-model-name", ServerConfig, "served_model_name",
+        help="the `model` clients send (default: the model file's name)")
+    arg(p, "--max-waiting", ServerConfig, "max_waiting",
+        help="most requests that may wait for their first token; more get HTTP 503")
+    arg(p, "--stats-interval", ServerConfig, "stats_interval_s", help="seconds between stats log lines (0: off)")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.add_argument("--no-engine-restart", action="store_true",
                    help="do not restart the engine core process when it dies (the server stays unhealthy)")
-    p.add_argument("--heartbeat-timeout", type=float, default=30.0,
-                   help="seconds without a word from the engine loop before /health reports it stale")
-    p.add_argument("--request-timeout", type=float, default=None,
-                   help="abort a generation request that has not finished after this many seconds (HTTP 504)")
-    add_http_limit_args(p)
+    arg(p, "--heartbeat-timeout", ServerConfig, "heartbeat_timeout_s",
+        help="seconds without a word from the engine loop before /health reports it stale")
+    arg(p, "--request-timeout", ServerConfig, "request_timeout_s", type=float,
+        help="abort a generation request that has not finished after this many seconds (HTTP 504)")
+    add_http_limit_args(p, ServerConfig, "max_connections")
     # Tests: serve a random model (JSON of ModelConfig fields plus "seed" and "std") with --model's tokenizer.
     p.add_argument("--random-weights", default=None, help=argparse.SUPPRESS)
     add_engine_args(p)
@@ -391,27 +410,29 @@ def main(argv: list[str] | None = None) -> int:
 
     add_bench_parser(sub)
 
-    from pdserve.router.policies import DEFAULT_DECODE_POLICY, DEFAULT_PREFILL_POLICY, POLICIES
-
     p = sub.add_parser("router", help="prefill/decode disaggregation router in front of P and D instances")
     p.add_argument("--prefill", action="append", required=True, metavar="URL[,URL...]",
                    help="prefill instance URLs (comma-separated or repeated)")
     p.add_argument("--decode", action="append", required=True, metavar="URL[,URL...]",
                    help="decode instance URLs (comma-separated or repeated)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--prefill-policy", default=DEFAULT_PREFILL_POLICY, choices=list(POLICIES))
-    p.add_argument("--decode-policy", default=DEFAULT_DECODE_POLICY, choices=list(POLICIES))
-    p.add_argument("--max-retries", type=int, default=1,
-                   help="attempts on another prefill/decode pair when one fails before anything was streamed")
-    p.add_argument("--request-timeout", type=float, default=600.0,
-                   help="seconds to wait for an instance's answer, or for the next bytes of one")
-    p.add_argument("--load-interval", type=float, default=0.5,
-                   help="seconds between polls of every instance's /health and /load")
+    arg(p, "--host", RouterConfig, "host")
+    arg(p, "--port", RouterConfig, "port")
+    arg(p, "--prefill-policy", RouterConfig, "prefill_policy", choices=ROUTER_POLICIES)
+    arg(p, "--decode-policy", RouterConfig, "decode_policy", choices=ROUTER_POLICIES)
+    arg(p, "--max-retries", RouterConfig, "max_retries",
+        help="attempts on another prefill/decode pair when one fails before anything was streamed")
+    arg(p, "--request-timeout", RouterConfig, "request_timeout_s",
+        help="seconds to wait for an instance's answer, or for the next bytes of one")
+    arg(p, "--load-interval", RouterConfig, "load_interval_s",
+        help="seconds between polls of every instance's /health and /load")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
-    add_http_limit_args(p)
+    add_http_limit_args(p, RouterConfig, "max_client_connections")
     p.set_defaults(func=cmd_router)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # `serve --disagg` passes them on to instances
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

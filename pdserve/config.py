@@ -1,10 +1,48 @@
-"""All configuration, as frozen dataclasses validated once at construction. Components receive only the
-piece they need. This module and `cli.py` are the only places that read the environment."""
+"""All configuration, as frozen keyword-only dataclasses validated once at construction. Components
+receive only the piece they need. Each default is written once, here: the CLI (`cli.py`, `bench/commands.py`)
+and `LLM(...)` read theirs with `field_default`. This module and `cli.py` are the only places that read
+the environment.
+
+The names of what registries further up provide (policies, backends, transports) are spelled here as
+tuples, so this module imports nothing above it; `tests/unit/test_layering.py` holds each tuple equal to
+its registry's keys."""
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import argparse
+
+
+def field_default(cls: type, name: str) -> Any:
+    """The default of dataclass `cls`'s field `name` (its factory called), for the CLI and `LLM(...)`, so
+    a default is written only in its dataclass. KeyError for a field without a default."""
+    f = next((f for f in fields(cls) if f.name == name), None)
+    if f is None:
+        raise KeyError(f"{cls.__name__} has no field {name!r}")
+    if f.default is not MISSING:
+        return f.default
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    raise KeyError(f"{cls.__name__}.{name} has no default")
+
+
+def add_config_argument(
+    parser: argparse._ActionsContainer, flag: str, cls: type, name: str, *, help: str | None = None, **kwargs: Any
+) -> None:
+    """`parser.add_argument(flag, ...)` with `default=` read from dataclass field `cls.name` (so the CLI
+    never spells a default again), `type=` that of the default unless given (or `choices` are), and the
+    default appended to the help text when there is one to show."""
+    default = field_default(cls, name)
+    if "type" not in kwargs and "choices" not in kwargs and not isinstance(default, (str, bool, type(None))):
+        kwargs["type"] = type(default)
+    if default is not None and "default" not in (help or ""):
+        help = f"{help} (default: %(default)s)" if help else "default: %(default)s"
+    parser.add_argument(flag, default=default, help=help, **kwargs)
 
 
 def default_model_cache_dir() -> str:
@@ -17,7 +55,7 @@ def default_model_cache_dir() -> str:
     return os.path.join(cache_home, "pdserve", "models")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ModelConfig:
     """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2), as read from a GGUF file or a Hugging
     Face config.json."""
@@ -51,7 +89,7 @@ class ModelConfig:
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8_e4m3")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CacheConfig:
     block_size: int = 16
     num_blocks: int | None = None  # None: derived from kv_cache_memory_gb
@@ -64,6 +102,12 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.swap_space_gb < 0:
             raise ValueError("swap_space_gb must be >= 0")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -71,14 +115,18 @@ class CacheConfig:
 
 
 PREEMPTION_MODES = ("recompute", "swap")
-# The names config accepts for the registries that live further up (scheduler/policies.py's POLICIES,
-# transfer/registry.py's TRANSPORTS): spelled here so config imports nothing above it; a unit test
-# (tests/unit/test_layering.py) holds each registry's keys equal to these.
+# The names config accepts for the registries that live further up: scheduler/policies.py's POLICIES,
+# transfer/registry.py's TRANSPORTS, attention/base.py's ATTENTION_BACKENDS, router/policies.py's POLICIES
+# and model/linear.py's LINEAR_KINDS (tests/unit/test_layering.py holds them equal).
 SCHEDULER_POLICIES = ("prefill-first", "chunked", "decode-priority", "slo")
 KV_TRANSFER_BACKENDS = ("inproc", "shm", "tcp", "torch.distributed")
+ATTENTION_BACKENDS = ("torch", "torch-compiled", "cpu-paged")  # and "auto": see LLMEngine
+LINEAR_KERNELS = ("auto", "pdserve", "onednn", "torch")
+ROUTER_POLICIES = ("round-robin", "least-outstanding-tokens", "least-kv-usage")
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 (engine/llm_engine.py resolve_dtype)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SchedulerConfig:
     policy: str = "chunked"
     max_num_batched_tokens: int = 2048
@@ -130,7 +178,7 @@ class SchedulerConfig:
 ROLES = ("both", "prefill", "decode")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class KVTransferConfig:
     """Prefill/decode disaggregation: this instance's role and how its KV moves (docs/disaggregation.md).
     `both` serves ordinary requests and may also send or receive KV; `prefill` only computes prompts for
@@ -158,7 +206,7 @@ class KVTransferConfig:
 SPEC_METHODS = ("ngram",)  # "draft" (a smaller model of the same tokenizer) comes next
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SpeculativeConfig:
     """Speculative decoding, in vLLM's `--speculative-config` convention (docs/speculative.md).
 
@@ -216,7 +264,7 @@ class SpeculativeConfig:
         return cls(**d)  # type: ignore[arg-type]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class EngineConfig:
     model: str | None = None  # path to a .gguf file or a Hugging Face directory; None: bundled SmolLM2
     dtype: str = "auto"  # auto | float32 | bfloat16
@@ -234,6 +282,18 @@ class EngineConfig:
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     seed: int = 0
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose from {list(DTYPES)}")
+        if self.attention_backend != "auto" and self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"unknown attention backend {self.attention_backend!r}; choose from {['auto', *ATTENTION_BACKENDS]}"
+            )
+        if self.linear_kernel not in LINEAR_KERNELS:
+            raise ValueError(f"unknown linear kernel {self.linear_kernel!r}; choose from {list(LINEAR_KERNELS)}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
 
     @property
     def autotune_dir(self) -> str | None:
@@ -258,7 +318,7 @@ def default_cache_dir() -> str:
 KEEP_ALIVE_S = 75
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RandomModelSpec:
     """Serve a randomly initialised model with the tokenizer of `EngineConfig.model` (tests: a tiny model
     whose vocabulary matches the real tokenizer's, so the whole HTTP path runs in milliseconds per step)."""
@@ -268,7 +328,7 @@ class RandomModelSpec:
     std: float = 0.02
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = "127.0.0.1"
@@ -324,3 +384,134 @@ class ServerConfig:
                 raise ValueError(f"{name} must have at least 8 characters")
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouterConfig:
+    """The prefill/decode router's settings (`router/app.py`). URLs are normalised (no trailing slash)
+    and lists become tuples."""
+
+    prefill_urls: tuple[str, ...]
+    decode_urls: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prefill_policy: str = "least-outstanding-tokens"  # router/policies.py
+    decode_policy: str = "least-kv-usage"
+    max_retries: int = 1  # further attempts on another pair, only while nothing was sent to the client
+    request_timeout_s: float = 600.0  # longest wait for an upstream answer or for the next bytes of one
+    connect_timeout_s: float = 5.0
+    load_interval_s: float = 0.5  # polling of /health and /load
+    health_timeout_s: float = 2.0
+    max_connections: int = 1024  # to all instances together; each request holds two while it runs
+    access_log: bool = False
+    api_key: str | None = None  # clients must send `Authorization: Bearer <api_key>` (None: no key)
+    cluster_secret: str | None = None  # sent to the instances with every request (they require it)
+    max_body_bytes: int = 4 * 2**20
+    body_timeout_s: float = 30.0
+    header_timeout_s: float = 10.0
+    allowed_hosts: tuple[str, ...] | None = None
+    max_client_connections: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_urls", "decode_urls"):
+            urls = tuple(u.strip().rstrip("/") for u in getattr(self, name))
+            role = name.split("_")[0]
+            if not urls:
+                raise ValueError(f"the router needs at least one {role} instance URL")
+            for u in urls:
+                if not u.startswith(("http://", "https://")):
+                    raise ValueError(f"{role} instance URL {u!r} must start with http:// or https://")
+            if len(set(urls)) != len(urls):
+                raise ValueError(f"{role} instance URLs must not repeat: {', '.join(urls)}")
+            object.__setattr__(self, name, urls)
+        for policy in (self.prefill_policy, self.decode_policy):
+            if policy not in ROUTER_POLICIES:
+                raise ValueError(f"unknown instance policy {policy!r}; choose from {', '.join(ROUTER_POLICIES)}")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        for name in ("request_timeout_s", "connect_timeout_s", "load_interval_s", "health_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_connections < 2:
+            raise ValueError(f"max_connections must be >= 2, got {self.max_connections}")
+
+
+# The benchmark client's settings (`pdserve bench`, pdserve/bench/).
+
+BENCH_DATASETS = ("sharegpt", "random", "long-prompt")
+BENCH_ENDPOINTS = ("completions", "chat")  # bench/client.py's ENDPOINTS maps them to paths
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LongPromptMix:
+    """Shape of the long-prompt workload. The defaults fit a 2,048-token context: 5% of the requests carry
+    a 1,500-1,900-token prompt and ask for 128 tokens."""
+
+    fraction: float = 0.05  # of the requests that are long
+    min_len: int = 1500  # long prompt length range, tokens (inclusive)
+    max_len: int = 1900
+    output_len: int = 128  # tokens each long request asks for
+    short_input_len: int = 256  # random short chats (without ShareGPT): mean prompt length, +-50%
+    short_output_len: int = 128  # random short chats: mean output length, +-50%
+    max_total_len: int = 2048  # prompt + output of any request, long or short
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.fraction <= 1.0:
+            raise ValueError(f"long-prompt fraction must be in [0, 1], got {self.fraction}")
+        if not 1 <= self.min_len <= self.max_len:
+            raise ValueError(f"long-prompt lengths need 1 <= min <= max, got {self.min_len}, {self.max_len}")
+        if min(self.output_len, self.short_input_len, self.short_output_len) < 1:
+            raise ValueError("long-prompt output and short lengths must be >= 1")
+        if self.max_len + self.output_len > self.max_total_len:
+            raise ValueError(
+                f"long prompts of up to {self.max_len} tokens plus {self.output_len} output tokens do not "
+                f"fit max_total_len={self.max_total_len}"
+            )
+
+    def check_random_shorts(self) -> None:
+        short_total = math.ceil(1.5 * self.short_input_len) + math.ceil(1.5 * self.short_output_len)
+        if short_total > self.max_total_len:
+            raise ValueError(
+                f"random short chats of up to {short_total} tokens exceed max_total_len={self.max_total_len}"
+            )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Workload:
+    """What to send: the dataset and its knobs. The same workload is replayed by every run of a sweep or
+    comparison (`bench/serve_bench.py` `workload_samples` turns it into requests)."""
+
+    dataset: str = "sharegpt"
+    num_prompts: int = 200
+    seed: int = 0
+    random_input_len: int = 1024
+    random_output_len: int = 128
+    long_prompt: LongPromptMix = field(default_factory=LongPromptMix)
+
+    def __post_init__(self) -> None:
+        if self.dataset not in BENCH_DATASETS:
+            raise ValueError(f"unknown dataset {self.dataset!r}: expected one of {', '.join(BENCH_DATASETS)}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadConfig:
+    """How the benchmark client sends a workload (`bench/client.py`)."""
+
+    base_url: str  # e.g. http://127.0.0.1:8000 (a trailing /v1 is accepted)
+    model: str
+    endpoint: str = "completions"  # "completions" | "chat"
+    request_rate: float = math.inf  # requests/s; inf sends everything at once
+    burstiness: float = 1.0  # gamma shape; 1 is Poisson, < 1 burstier, > 1 more regular
+    max_concurrency: int | None = None
+    seed: int = 0
+    timeout_s: float = 6 * 3600.0
+
+    def __post_init__(self) -> None:
+        if self.endpoint not in BENCH_ENDPOINTS:
+            raise ValueError(f"endpoint must be one of {sorted(BENCH_ENDPOINTS)}, got {self.endpoint!r}")
+        if not self.request_rate > 0:
+            raise ValueError(f"request_rate must be > 0 (or inf), got {self.request_rate}")
+        if not self.burstiness > 0:
+            raise ValueError(f"burstiness must be > 0, got {self.burstiness}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")

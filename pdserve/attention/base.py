@@ -11,13 +11,13 @@ implements the same two methods and is checked against it.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from pdserve.kv.cache import LayerCache
+from pdserve.registry import Registry
 
 
 @dataclass(slots=True)
@@ -77,16 +77,15 @@ class AttentionBackend(Protocol):
         ...
 
 
-_BACKENDS = {
-    "torch": "pdserve.attention.torch_ref:TorchAttention",
-    "cpu-paged": "pdserve.attention.cpu_paged:CpuPagedAttention",
-    "torch-compiled": "pdserve.attention.torch_compiled:CompiledTorchAttention",
-}
+ATTENTION_BACKENDS: Registry[type[AttentionBackend]] = Registry(
+    "attention backend",
+    {
+        "torch": "pdserve.attention.torch_ref:TorchAttention",
+        "cpu-paged": "pdserve.attention.cpu_paged:CpuPagedAttention",
+        "torch-compiled": "pdserve.attention.torch_compiled:CompiledTorchAttention",
+    },
+)
 
 
 def get_attention_backend(name: str = "torch") -> AttentionBackend:
-    try:
-        module, cls = _BACKENDS[name].split(":")
-    except KeyError:
-        raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(_BACKENDS)}") from None
-    return getattr(importlib.import_module(module), cls)()
+    return ATTENTION_BACKENDS.load(name)()

@@ -18,39 +18,17 @@ import json
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import httpx
 import numpy as np
 from tqdm import tqdm
 
 from pdserve.bench.datasets import SampleRequest
+from pdserve.config import LoadConfig
 from pdserve.bench.metrics import RequestRecord
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 PREFIX_HITS_METRIC = "pdserve:prefix_cache_hit_tokens_total"
-
-
-@dataclass(frozen=True, slots=True)
-class LoadConfig:
-    base_url: str  # e.g. http://127.0.0.1:8000 (a trailing /v1 is accepted)
-    model: str
-    endpoint: str = "completions"  # "completions" | "chat"
-    request_rate: float = math.inf  # requests/s; inf sends everything at once
-    burstiness: float = 1.0  # gamma shape; 1 is Poisson, < 1 burstier, > 1 more regular
-    max_concurrency: int | None = None
-    seed: int = 0
-    timeout_s: float = 6 * 3600.0
-
-    def __post_init__(self) -> None:
-        if self.endpoint not in ENDPOINTS:
-            raise ValueError(f"endpoint must be one of {sorted(ENDPOINTS)}, got {self.endpoint!r}")
-        if not self.request_rate > 0:
-            raise ValueError(f"request_rate must be > 0 (or inf), got {self.request_rate}")
-        if not self.burstiness > 0:
-            raise ValueError(f"burstiness must be > 0, got {self.burstiness}")
-        if self.max_concurrency is not None and self.max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
 
 
 def api_root(base_url: str) -> str:

@@ -12,26 +12,28 @@ import shlex
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
-    """What to send and how: the options every bench command shares."""
+    """What to send and how: the options every bench command shares. Defaults and choices come from
+    pdserve/config.py (`Workload`, `LongPromptMix`, `LoadConfig`)."""
+    from pdserve.config import BENCH_DATASETS, BENCH_ENDPOINTS, LoadConfig, LongPromptMix, Workload
+    from pdserve.config import add_config_argument as arg
+
     p.add_argument("--model", default=None, help="the `model` to send (default: the first of /v1/models)")
-    p.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
-    p.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "random", "long-prompt"])
-    p.add_argument("--num-prompts", type=int, default=200)
-    p.add_argument("--random-input-len", type=int, default=1024)
-    p.add_argument("--random-output-len", type=int, default=128)
+    arg(p, "--endpoint", LoadConfig, "endpoint", choices=BENCH_ENDPOINTS)
+    arg(p, "--dataset", Workload, "dataset", choices=BENCH_DATASETS)
+    arg(p, "--num-prompts", Workload, "num_prompts")
+    arg(p, "--random-input-len", Workload, "random_input_len")
+    arg(p, "--random-output-len", Workload, "random_output_len")
     g = p.add_argument_group("long-prompt dataset (short chats from ShareGPT, or random without it)")
-    g.add_argument("--long-prompt-fraction", type=float, default=0.05, help="share of long requests")
-    g.add_argument("--long-prompt-min-len", type=int, default=1500, help="long prompt length, tokens")
-    g.add_argument("--long-prompt-max-len", type=int, default=1900)
-    g.add_argument(
-        "--long-prompt-output-len", type=int, default=128, help="tokens each long request asks for"
-    )
-    g.add_argument("--max-total-len", type=int, default=2048, help="prompt + output limit (the context)")
-    g.add_argument("--short-input-len", type=int, default=256, help="random short chats: prompt tokens")
-    g.add_argument("--short-output-len", type=int, default=128, help="random short chats: output tokens")
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1: Poisson)")
-    p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    arg(g, "--long-prompt-fraction", LongPromptMix, "fraction", help="share of long requests")
+    arg(g, "--long-prompt-min-len", LongPromptMix, "min_len", help="long prompt length, tokens")
+    arg(g, "--long-prompt-max-len", LongPromptMix, "max_len")
+    arg(g, "--long-prompt-output-len", LongPromptMix, "output_len", help="tokens each long request asks for")
+    arg(g, "--max-total-len", LongPromptMix, "max_total_len", help="prompt + output limit (the context)")
+    arg(g, "--short-input-len", LongPromptMix, "short_input_len", help="random short chats: prompt tokens")
+    arg(g, "--short-output-len", LongPromptMix, "short_output_len", help="random short chats: output tokens")
+    arg(p, "--burstiness", LoadConfig, "burstiness", help="gamma shape of arrivals (1: Poisson)")
+    arg(p, "--max-concurrency", LoadConfig, "max_concurrency", type=int)
+    arg(p, "--seed", Workload, "seed")
     p.add_argument("--slo", default=None, help="targets in ms, e.g. ttft=500,tpot=50,itl=100")
     p.add_argument(
         "--count-output-tokens", action=argparse.BooleanOptionalAction, default=None,
@@ -43,6 +45,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    from pdserve.config import LoadConfig
+    from pdserve.config import add_config_argument as arg
+
     p = sub.add_parser(
         "bench",
         help="benchmark an OpenAI-compatible server (TTFT, TPOT, ITL, goodput); also `bench sweep|compare`",
@@ -50,7 +55,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--base-url", default=None, help="e.g. http://127.0.0.1:8000 (required without a subcommand)"
     )
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, or inf (default)")
+    arg(p, "--request-rate", LoadConfig, "request_rate", help="requests/s, or inf (default)")
     p.add_argument("--out", default=None, help="write the report (every request's record) to this JSON file")
     add_workload_args(p)
     p.set_defaults(func=cmd_bench)
@@ -72,7 +77,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "(write --server-args='--flag' when it is a single option)",
     )
     c.add_argument("--server-timeout", type=float, default=300.0, help="seconds to wait for each server")
-    c.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, or inf (default)")
+    arg(c, "--request-rate", LoadConfig, "request_rate", help="requests/s, or inf (default)")
     c.add_argument("--out", default="compare.json", help="JSON report; the CDF figure (PNG) goes beside it")
     add_workload_args(c)
     c.set_defaults(func=cmd_compare)
@@ -93,8 +98,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _workload(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from pdserve.bench.datasets import LongPromptMix
-    from pdserve.bench.serve_bench import Workload
+    from pdserve.config import LongPromptMix, Workload
 
     mix = LongPromptMix(
         fraction=args.long_prompt_fraction,
@@ -106,7 +110,12 @@ def _workload(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         max_total_len=args.max_total_len,
     )
     return Workload(
-        args.dataset, args.num_prompts, args.seed, args.random_input_len, args.random_output_len, mix
+        dataset=args.dataset,
+        num_prompts=args.num_prompts,
+        seed=args.seed,
+        random_input_len=args.random_input_len,
+        random_output_len=args.random_output_len,
+        long_prompt=mix,
     )
 
 

@@ -16,13 +16,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import TextIO
 
-from pdserve.bench.client import LoadConfig, fetch_model_name
+from pdserve.bench.client import fetch_model_name
 from pdserve.bench.datasets import DecodingTokenizer
 from pdserve.bench.metrics import SLO, BenchMetrics
 from pdserve.bench.presets import Preset
 from pdserve.bench.serve_bench import (
     BenchResult,
-    Workload,
     default_tokenizer,
     format_grid,
     load_json,
@@ -34,7 +33,9 @@ from pdserve.bench.serve_bench import (
     slo_text,
     write_artifacts,
     write_json,
+    workload_samples,
 )
+from pdserve.config import LoadConfig, Workload
 from pdserve.server.launcher import ServerProcess
 
 SERVER_STATE = (
@@ -120,9 +121,12 @@ def run_compare(
     table, write `out` (JSON) and its figure (same name, .png), plots into `plot_dir` and a trace with one
     process per mode. `model`: the name to send (default: the first each server lists)."""
     # Built before any server starts, so that a bad value fails at once; base URL and model come per mode.
-    arrivals = LoadConfig("", "", endpoint, request_rate, burstiness, max_concurrency, workload.seed)
+    arrivals = LoadConfig(
+        base_url="", model="", endpoint=endpoint, request_rate=request_rate, burstiness=burstiness,
+        max_concurrency=max_concurrency, seed=workload.seed,
+    )
     tokenizer = tokenizer or default_tokenizer()
-    samples = workload.samples(tokenizer)
+    samples = workload_samples(workload, tokenizer)
     results: list[ModeResult] = []
     for preset in modes:
         server = ServerProcess([*server_args, *preset.args], env=server_env)

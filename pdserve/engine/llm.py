@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from pdserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from pdserve.config import field_default as _default  # defaults are written once, in config.py
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.errors import InvalidRequestError, SLORejectedError
 from pdserve.outputs import RequestOutput
@@ -20,27 +21,27 @@ class LLM:
     def __init__(
         self,
         model: str | None = None,
-        dtype: str = "auto",
-        device: str = "auto",
+        dtype: str = _default(EngineConfig, "dtype"),
+        device: str = _default(EngineConfig, "device"),
         *,
-        scheduler: str = "chunked",
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 128,
-        max_model_len: int = 2048,
+        scheduler: str = _default(SchedulerConfig, "policy"),
+        max_num_batched_tokens: int = _default(SchedulerConfig, "max_num_batched_tokens"),
+        max_num_seqs: int = _default(SchedulerConfig, "max_num_seqs"),
+        max_model_len: int = _default(SchedulerConfig, "max_model_len"),
         chunk_size: int | None = None,
-        preemption_mode: str = "recompute",
-        swap_space_gb: float = 4.0,
-        block_size: int = 16,
-        kv_cache_memory_gb: float = 2.0,
+        preemption_mode: str = _default(SchedulerConfig, "preemption_mode"),
+        swap_space_gb: float = _default(CacheConfig, "swap_space_gb"),
+        block_size: int = _default(CacheConfig, "block_size"),
+        kv_cache_memory_gb: float = _default(CacheConfig, "kv_cache_memory_gb"),
         num_blocks: int | None = None,
-        enable_prefix_caching: bool = True,
+        enable_prefix_caching: bool = _default(CacheConfig, "enable_prefix_caching"),
         num_threads: int | None = None,
-        attention_backend: str = "auto",
-        fused_cpu_ops: bool = True,
-        linear_kernel: str = "auto",
-        batch_invariant: bool = False,
+        attention_backend: str = _default(EngineConfig, "attention_backend"),
+        fused_cpu_ops: bool = _default(EngineConfig, "fused_cpu_ops"),
+        linear_kernel: str = _default(EngineConfig, "linear_kernel"),
+        batch_invariant: bool = _default(EngineConfig, "batch_invariant"),
         kernel_cache_dir: str | None = None,
-        seed: int = 0,
+        seed: int = _default(EngineConfig, "seed"),
         speculative_config: dict[str, object] | SpeculativeConfig | None = None,
         model_config: ModelConfig | None = None,
         weights: dict | None = None,
@@ -63,9 +64,20 @@ class LLM:
             kernel_cache_dir=kernel_cache_dir,
             seed=seed,
             speculative=speculative_config,
-            cache=CacheConfig(block_size, num_blocks, kv_cache_memory_gb, enable_prefix_caching, swap_space_gb),
+            cache=CacheConfig(
+                block_size=block_size,
+                num_blocks=num_blocks,
+                kv_cache_memory_gb=kv_cache_memory_gb,
+                enable_prefix_caching=enable_prefix_caching,
+                swap_space_gb=swap_space_gb,
+            ),
             scheduler=SchedulerConfig(
-                scheduler, max_num_batched_tokens, max_num_seqs, max_model_len, chunk_size, preemption_mode
+                policy=scheduler,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len,
+                chunk_size=chunk_size,
+                preemption_mode=preemption_mode,
             ),
         )
         self.engine = LLMEngine(config, model_config=model_config, weights=weights, tokenizer=tokenizer)

@@ -23,511 +23,36 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
-import anyio
 import httpx
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from pdserve.router.policies import (
-    DEFAULT_DECODE_POLICY,
-    DEFAULT_PREFILL_POLICY,
-    ROLES,
-    Instance,
-    make_policy,
-)
-from pdserve.server import wire
+from pdserve.config import RouterConfig
+from pdserve.router.bodies import parse_generation_body, status_of_whole_body
+from pdserve.router.exchange import AttemptFailed, Exchange, Failure
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.policies import ROLES, Instance, make_policy
 from pdserve.server.guards import check_api_key, check_json_content_type, read_body
 from pdserve.server.http import WatchedStream, make_app, run_uvicorn, wait_disconnect
-from pdserve.server.protocol import APIError, bad_request
-from pdserve.server.wire import CLUSTER_HEADER, KV_RESERVATION_HEADER, KVReservation, LoadReport
+from pdserve.server.protocol import APIError
+from pdserve.server.wire import CLUSTER_HEADER, LoadReport
 
 logger = logging.getLogger(__name__)
 
-OUTCOMES = ("ok", "rejected", "failed", "unavailable", "cancelled")
+__all__ = ["Router", "RouterConfig", "build_router_app", "serve_router"]
 
 _json = msgspec.json.Encoder()
-_DONE = b"data: [DONE]\n\n"
 # Upstream bodies are passed on byte for byte (without a content-encoding): ask for them uncompressed.
 _UPSTREAM_HEADERS = {"content-type": "application/json", "accept-encoding": "identity"}
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    """The router's settings. URLs are normalised (no trailing slash) and lists become tuples."""
-
-    prefill_urls: tuple[str, ...]
-    decode_urls: tuple[str, ...]
-    host: str = "127.0.0.1"
-    port: int = 8000
-    prefill_policy: str = DEFAULT_PREFILL_POLICY
-    decode_policy: str = DEFAULT_DECODE_POLICY
-    max_retries: int = 1  # further attempts on another pair, only while nothing was sent to the client
-    request_timeout_s: float = 600.0  # longest wait for an upstream answer or for the next bytes of one
-    connect_timeout_s: float = 5.0
-    load_interval_s: float = 0.5  # polling of /health and /load
-    health_timeout_s: float = 2.0
-    max_connections: int = 1024  # to all instances together; each request holds two while it runs
-    access_log: bool = False
-    api_key: str | None = None  # clients must send `Authorization: Bearer <api_key>` (None: no key)
-    cluster_secret: str | None = None  # sent to the instances with every request (they require it)
-    max_body_bytes: int = 4 * 2**20
-    body_timeout_s: float = 30.0
-    header_timeout_s: float = 10.0
-    allowed_hosts: tuple[str, ...] | None = None
-    max_client_connections: int = 2048
-
-    def __post_init__(self) -> None:
-        for name in ("prefill_urls", "decode_urls"):
-            urls = tuple(u.strip().rstrip("/") for u in getattr(self, name))
-            role = name.split("_")[0]
-            if not urls:
-                raise ValueError(f"the router needs at least one {role} instance URL")
-            for u in urls:
-                if not u.startswith(("http://", "https://")):
-                    raise ValueError(f"{role} instance URL {u!r} must start with http:// or https://")
-            if len(set(urls)) != len(urls):
-                raise ValueError(f"{role} instance URLs must not repeat: {', '.join(urls)}")
-            object.__setattr__(self, name, urls)
-        make_policy(self.prefill_policy)  # raises ValueError for an unknown name
-        make_policy(self.decode_policy)
-        if self.max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
-        for name in ("request_timeout_s", "connect_timeout_s", "load_interval_s", "health_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.max_connections < 2:
-            raise ValueError(f"max_connections must be >= 2, got {self.max_connections}")
-
-
 # What instances answer is decoded into the typed, bounded structs of pdserve/server/wire.py; one that
 # does not decode is dropped (the last good /load stays; a bad reservation fails the attempt) and counted
 # in /metrics.
-
-
-# ---- metrics -------------------------------------------------------------------------------------
-
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
-
-
-class RouterMetrics:
-    """Prometheus metrics of one router, in a registry of its own."""
-
-    def __init__(self, instances: Sequence[Instance]) -> None:
-        self.registry = r = CollectorRegistry()
-        requests = Counter(
-            "pdserve:router_requests",
-            "Generation requests by outcome: ok (passed through), rejected (4xx), failed (upstream error "
-            "returned), unavailable (no instance up), cancelled (the client left).",
-            ["outcome"],
-            registry=r,
-        )
-        self.requests = {outcome: requests.labels(outcome) for outcome in OUTCOMES}
-        dropped = Counter(
-            "pdserve:router_dropped_messages",
-            "Instance answers dropped because they did not decode: load (GET /load bodies), kv_reservation "
-            "(reservation headers; the attempt fails).",
-            ["kind"],
-            registry=r,
-        )
-        self.dropped = {kind: dropped.labels(kind) for kind in ("load", "kv_reservation")}
-        self.retries = Counter(
-            "pdserve:router_retries", "Attempts retried on another prefill/decode pair.", registry=r
-        )
-        up = Gauge("pdserve:router_instance_up", "1 while the instance is up.", ["url", "role"], registry=r)
-        in_flight = Gauge(
-            "pdserve:router_requests_in_flight",
-            "Requests the router has in flight on the instance.",
-            ["url", "role"],
-            registry=r,
-        )
-        self.up = {(i.role, i.url): up.labels(i.url, i.role) for i in instances}
-        self.in_flight = {(i.role, i.url): in_flight.labels(i.url, i.role) for i in instances}
-        # The instances' own KV-transfer totals, as their last /load reported them.
-        labels = ["url", "role", "direction"]
-        self.kv_transfer_bytes = Gauge(
-            "pdserve:router_instance_kv_transfer_bytes",
-            "KV bytes the instance moved in finished transfers (its own total, from /load).",
-            labels,
-            registry=r,
-        )
-        self.kv_transfer_seconds = Gauge(
-            "pdserve:router_instance_kv_transfer_seconds",
-            "Summed durations of the instance's finished KV transfers (its own total, from /load).",
-            labels,
-            registry=r,
-        )
-        self.kv_transfers = Gauge(
-            "pdserve:router_instance_kv_transfers",
-            "Finished KV transfers of the instance, by outcome (its own total, from /load).",
-            [*labels, "outcome"],
-            registry=r,
-        )
-        self.time_to_reservation = Histogram(
-            "pdserve:router_time_to_kv_reservation_seconds",
-            "Request sent to the decode instance to its answer with a KV reservation.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.prefill_time = Histogram(
-            "pdserve:router_prefill_request_seconds",
-            "Prefill request sent to answered: the prompt's prefill plus the KV transfer.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.time_to_first_byte = Histogram(
-            "pdserve:router_time_to_first_byte_seconds",
-            "Request arrival at the router to the first body bytes from the decode instance.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-
-
-# ---- request bodies ------------------------------------------------------------------------------
-
-
-def parse_generation_body(raw: bytes, chat: bool) -> tuple[dict[str, Any], int]:
-    """The client's JSON body and an estimate of its prompt tokens (characters / 4, or the number of
-    token ids). Raises a 400 for what the router cannot route; the instances validate everything else."""
-    if not raw.strip():
-        raise bad_request("the request body is empty; send a JSON object")
-    try:
-        body = msgspec.json.decode(raw)
-    except msgspec.DecodeError as e:
-        raise bad_request(f"the request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    n = body.get("n")
-    if isinstance(n, int) and not isinstance(n, bool) and n > 1:
-        raise bad_request(
-            f"n > 1 (got {n}) is not supported through the router yet; send separate requests", param="n"
-        )
-    if chat:
-        return body, _estimate_chat_tokens(body.get("messages"))
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        if len(prompt) > 1:
-            raise bad_request(
-                f"a list of {len(prompt)} prompts is not supported through the router yet; "
-                "send one prompt per request",
-                param="prompt",
-            )
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return body, len(prompt) // 4
-    if isinstance(prompt, list):
-        return body, len(prompt)
-    return body, 0
-
-
-def _estimate_chat_tokens(messages: Any) -> int:
-    if not isinstance(messages, list):
-        return 0
-    num_chars = 0
-    for m in messages:
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, str):
-            num_chars += len(content)
-        elif isinstance(content, list):
-            texts = [p.get("text") for p in content if isinstance(p, dict)]
-            num_chars += sum(len(t) for t in texts if isinstance(t, str))
-    return num_chars // 4
-
-
-def decode_body(body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
-    """What D gets: the client's body plus the remote-prefill marker (replacing a client's own)."""
-    return {**body, "kv_transfer_params": wire.KVTransferParams(remote_prefill=True, transfer_id=transfer_id)}
-
-
-def prefill_body(body: dict[str, Any], chat: bool, reservation: KVReservation) -> dict[str, Any]:
-    """What P gets: the client's body as one non-streaming token, plus where to send the KV."""
-    out = {k: v for k, v in body.items() if k not in ("n", "stream_options")}
-    out["stream"] = False
-    out["max_tokens"] = 1
-    if chat:
-        out["max_completion_tokens"] = 1
-    out["kv_transfer_params"] = wire.KVTransferParams(
-        remote_decode=wire.RemoteDecode(
-            transfer_id=reservation.transfer_id,
-            address=reservation.address,
-            backend=reservation.backend,
-            skip_tokens=reservation.skip_tokens,
-        )
-    )
-    return out
-
-
-def _status_of_whole_body(content: bytes) -> int | None:
-    """None for a decode instance's whole (non-streaming) answer that is a result; the status to answer
-    with if it is an OpenAI error body instead (its status line said 200: the error came after the
-    reservation). 504 for a timeout, else 502: the upstream failed."""
-    try:
-        body = msgspec.json.decode(content)
-    except msgspec.DecodeError:
-        return 502
-    error = body.get("error") if isinstance(body, dict) else None
-    if error is None:
-        return None
-    code = error.get("code") if isinstance(error, dict) else None
-    return 504 if code == "request_timeout" else 502
-
-
-def _last_event_end(buf: bytearray) -> int:
-    """Index just past the last complete SSE event in `buf` (0 if none)."""
-    lf, crlf = buf.rfind(b"\n\n"), buf.rfind(b"\r\n\r\n")
-    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
-
-
-# ---- one attempt ---------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class _Failure:
-    """Why an attempt failed and what the client gets if no other attempt follows."""
-
-    instance: Instance
-    status: int
-    content: bytes  # the HTTP body to answer with
-    media_type: str
-    error: dict[str, Any]  # the {"error": {...}} object, for an SSE error event
-    retryable: bool  # False: the request itself was refused (4xx), another pair would refuse it too
-
-    @staticmethod
-    def of(instance: Instance, status: int, message: str, code: str) -> _Failure:
-        error = APIError(status, message, "server_error", None, code).body()
-        return _Failure(instance, status, _json.encode(error), "application/json", error, True)
-
-    @staticmethod
-    def answered(instance: Instance, status: int, content: bytes, media_type: str | None) -> _Failure:
-        """An instance's own error answer, passed on as it is."""
-        try:
-            msgspec.json.decode(content, type=wire.ErrorBody)  # the shape is checked, the body kept whole
-            error = msgspec.json.decode(content)
-        except msgspec.DecodeError:  # ValidationError is one
-            error = None
-        if error is None:
-            text = content.decode("utf-8", "replace")[:500]
-            message = f"the {instance.role} instance {instance.url} answered {status}: {text}"
-            error = APIError(status, message, "server_error", None, "upstream_error").body()
-        return _Failure(instance, status, content, media_type or "application/json", error, status >= 500)
-
-
-class _AttemptFailed(Exception):
-    def __init__(self, failure: _Failure) -> None:
-        super().__init__(failure.error["error"].get("message"))
-        self.failure = failure
-
-
-# Events an attempt's two upstream tasks report, in order, on one queue.
-_DATA, _END, _PREFILL_DONE, _FAILED = "data", "end", "prefill_done", "failed"
-
-
-class _Exchange:
-    """One attempt: a transfer id, the chosen (P, D) pair, D's streamed response and P's request.
-
-    `open()` reserves on D, starts P, and returns D's first bytes for the client; `rest()` yields the
-    remaining ones; `aclose()` cancels whatever still runs (each instance then aborts its side)."""
-
-    def __init__(
-        self,
-        router: Router,
-        path: str,
-        body: dict[str, Any],
-        num_tokens: int,
-        prefill: Instance,
-        decode: Instance,
-        arrival: float,
-    ) -> None:
-        self.router = router
-        self.path = path
-        self.body = body
-        self.num_tokens = num_tokens
-        self.prefill = prefill
-        self.decode = decode
-        self.arrival = arrival
-        self.transfer_id = uuid.uuid4().hex
-        self.d_resp: httpx.Response | None = None
-        self.outcome: str | None = None  # set when the client got everything it will get
-        self._events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        self._tasks: list[asyncio.Task[None]] = []
-        self._holds_prefill = self._holds_decode = True
-        self._closed = False
-        router.acquire(prefill, num_tokens)
-        router.acquire(decode, 0)
-
-    @property
-    def is_chat(self) -> bool:
-        return self.path.endswith("/chat/completions")
-
-    async def open(self) -> bytes:
-        """Raises _AttemptFailed if the attempt fails before D has sent anything for the client."""
-        client = self.router.client
-        request = client.build_request(
-            "POST",
-            self.decode.url + self.path,
-            content=_json.encode(decode_body(self.body, self.transfer_id)),
-            headers=self.router.upstream_headers,
-        )
-        started = time.monotonic()
-        try:
-            resp = await client.send(request, stream=True)
-        except httpx.HTTPError as e:
-            raise _AttemptFailed(self.router.upstream_error(self.decode, e)) from None
-        self.d_resp = resp
-        if resp.status_code != 200:
-            try:
-                content = await resp.aread()
-            except httpx.HTTPError as e:
-                raise _AttemptFailed(self.router.upstream_error(self.decode, e)) from None
-            media_type = resp.headers.get("content-type")
-            raise _AttemptFailed(_Failure.answered(self.decode, resp.status_code, content, media_type))
-        self.router.metrics.time_to_reservation.observe(time.monotonic() - started)
-        reservation = self._reservation(resp)
-        is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
-        p_body = prefill_body(self.body, self.is_chat, reservation)
-        self._tasks = [
-            asyncio.create_task(self._run_prefill(p_body)),
-            asyncio.create_task(self._pump_decode(resp, is_sse)),
-        ]
-        while True:
-            kind, value = await self._events.get()
-            if kind == _DATA:
-                return value
-            if kind == _END:  # an empty body
-                self.outcome = "ok"
-                return b""
-            if kind == _FAILED:
-                raise _AttemptFailed(value)
-            # _PREFILL_DONE: the KV is on D; its first bytes follow
-
-    async def rest(self) -> AsyncIterator[bytes]:
-        """D's bytes after the first, then the end; a failure ends an SSE stream with an error event."""
-        while self.outcome is None:
-            kind, value = await self._events.get()
-            if kind == _DATA:
-                yield value
-            elif kind == _END:
-                self.outcome = "ok"
-                return
-            elif kind == _FAILED:
-                self.outcome = "failed"
-                error = value.error["error"]
-                logger.warning("request %s failed while streaming: %s", self.transfer_id, error)
-                yield b"data: " + _json.encode(value.error) + b"\n\n"
-                yield _DONE
-                return
-
-    def _reservation(self, resp: httpx.Response) -> KVReservation:
-        header = resp.headers.get(KV_RESERVATION_HEADER)
-        problem = None
-        if header is None:
-            problem = f"no {KV_RESERVATION_HEADER} header"
-        else:
-            try:
-                reservation = msgspec.json.decode(header, type=KVReservation)
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                self.router.metrics.dropped["kv_reservation"].inc()
-                problem = f"an invalid {KV_RESERVATION_HEADER} header ({e}): {header[:200]}"
-            else:
-                if reservation.transfer_id != self.transfer_id:
-                    problem = f"a reservation for transfer {reservation.transfer_id}, not {self.transfer_id}"
-                elif reservation.skip_tokens < 0:
-                    problem = f"a reservation with skip_tokens {reservation.skip_tokens} < 0"
-                else:
-                    return reservation
-        message = f"the decode instance {self.decode.url} answered 200 with {problem}"
-        raise _AttemptFailed(_Failure.of(self.decode, 502, message, "bad_kv_reservation"))
-
-    async def _run_prefill(self, p_body: dict[str, Any]) -> None:
-        router = self.router
-        started = time.monotonic()
-        try:
-            resp = await router.client.post(
-                self.prefill.url + self.path, content=_json.encode(p_body), headers=router.upstream_headers
-            )
-        except httpx.HTTPError as e:
-            self._events.put_nowait((_FAILED, router.upstream_error(self.prefill, e)))
-            return
-        except Exception as e:  # a bug here must still end the request, not leave it waiting
-            logger.exception("prefill request %s failed", self.transfer_id)
-            failure = _Failure.of(self.prefill, 500, f"router error: {e!r}", "router_error")
-            self._events.put_nowait((_FAILED, failure))
-            return
-        finally:
-            self._release_prefill()
-        router.metrics.prefill_time.observe(time.monotonic() - started)
-        if resp.status_code == 200:
-            self._events.put_nowait((_PREFILL_DONE, None))
-        else:
-            media_type = resp.headers.get("content-type")
-            failure = _Failure.answered(self.prefill, resp.status_code, resp.content, media_type)
-            self._events.put_nowait((_FAILED, failure))
-
-    async def _pump_decode(self, resp: httpx.Response, is_sse: bool) -> None:
-        """D's body onto the queue: whole SSE events as they complete, or the whole body at its end."""
-        pending = bytearray()
-        first = True
-        try:
-            async for chunk in resp.aiter_bytes():
-                if first and chunk:
-                    self.router.metrics.time_to_first_byte.observe(time.monotonic() - self.arrival)
-                    first = False
-                pending += chunk
-                if is_sse:
-                    end = _last_event_end(pending)
-                    if end:
-                        self._events.put_nowait((_DATA, bytes(pending[:end])))
-                        del pending[:end]
-        except httpx.HTTPError as e:
-            failure = self.router.upstream_error(self.decode, e, while_answering=True)
-            self._events.put_nowait((_FAILED, failure))
-            return
-        except Exception as e:  # a bug here must still end the request, not leave it waiting
-            logger.exception("reading the decode answer of %s failed", self.transfer_id)
-            failure = _Failure.of(self.decode, 500, f"router error: {e!r}", "router_error")
-            self._events.put_nowait((_FAILED, failure))
-            return
-        if pending:
-            self._events.put_nowait((_DATA, bytes(pending)))
-        self._events.put_nowait((_END, None))
-
-    def _release_prefill(self) -> None:
-        if self._holds_prefill:  # once: when P answered or when the attempt ends, whichever is first
-            self._holds_prefill = False
-            self.router.release(self.prefill, self.num_tokens)
-
-    async def aclose(self) -> None:
-        """Cancel both upstream requests (closing their connections) and give the instances back."""
-        if self._closed:
-            return
-        self._closed = True
-        with anyio.CancelScope(shield=True):
-            for task in self._tasks:
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-            if self.d_resp is not None:
-                await self.d_resp.aclose()
-        self._release_prefill()
-        if self._holds_decode:
-            self._holds_decode = False
-            self.router.release(self.decode, 0)
-
-
-# ---- the router ----------------------------------------------------------------------------------
 
 
 class Router:
@@ -648,7 +173,7 @@ class Router:
         self._probes.add(task)
         task.add_done_callback(self._probes.discard)
 
-    def upstream_error(self, inst: Instance, e: httpx.HTTPError, while_answering: bool = False) -> _Failure:
+    def upstream_error(self, inst: Instance, e: httpx.HTTPError, while_answering: bool = False) -> Failure:
         """The failure for an upstream request that raised: a connection that could not be made marks the
         instance down at once; anything else has it checked now."""
         what = f"the {inst.role} instance {inst.url}"
@@ -656,13 +181,13 @@ class Router:
         if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
             self.set_up(inst, False, f"connection failed: {detail}")
             message = f"{what} could not be reached ({detail})"
-            return _Failure.of(inst, 502, message, f"{inst.role}_unavailable")
+            return Failure.of(inst, 502, message, f"{inst.role}_unavailable")
         self.probe(inst)
         if isinstance(e, httpx.TimeoutException):
             message = f"{what} did not answer within {self.config.request_timeout_s:g} s ({detail})"
-            return _Failure.of(inst, 504, message, f"{inst.role}_timeout")
+            return Failure.of(inst, 504, message, f"{inst.role}_timeout")
         doing = "while answering" if while_answering else "before answering"
-        return _Failure.of(inst, 502, f"{what} failed {doing} ({detail})", f"{inst.role}_failed")
+        return Failure.of(inst, 502, f"{what} failed {doing} ({detail})", f"{inst.role}_failed")
 
     # ---- bookkeeping ----------------------------------------------------------------------------
     def acquire(self, inst: Instance, num_tokens: int) -> None:
@@ -730,11 +255,11 @@ class Router:
 
     async def _first_answer(
         self, path: str, body: dict[str, Any], num_tokens: int, arrival: float
-    ) -> Response | tuple[_Exchange, bytes]:
+    ) -> Response | tuple[Exchange, bytes]:
         """Attempts until one gets D's first bytes: then an SSE stream (the exchange, still open, and those
         bytes) or the whole answer as a Response. Raises a 503 if no pair is up."""
         excluded: dict[str, set[str]] = {role: set() for role in ROLES}
-        failure: _Failure | None = None
+        failure: Failure | None = None
         for attempt in range(self.config.max_retries + 1):
             prefill = self.select("prefill", excluded["prefill"])
             decode = self.select("decode", excluded["decode"])
@@ -745,10 +270,10 @@ class Router:
                 raise self.unavailable("prefill" if prefill is None else "decode")
             if attempt:
                 self.metrics.retries.inc()
-            ex = _Exchange(self, path, body, num_tokens, prefill, decode, arrival)
+            ex = Exchange(self, path, body, num_tokens, prefill, decode, arrival)
             try:
                 first = await ex.open()
-            except _AttemptFailed as e:
+            except AttemptFailed as e:
                 await ex.aclose()
                 failure = e.failure
                 if not failure.retryable:
@@ -763,7 +288,7 @@ class Router:
             if ex.d_resp.headers.get("content-type", "").startswith("text/event-stream"):
                 return ex, first
             await ex.aclose()  # a whole body: the exchange is over
-            status = _status_of_whole_body(first)
+            status = status_of_whole_body(first)
             if status is not None:  # D failed after its 200 went out: the client gets a real error status
                 logger.warning("request %s failed on the decode instance %s", ex.transfer_id, decode.url)
                 self.metrics.requests["failed"].inc()

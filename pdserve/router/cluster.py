@@ -51,7 +51,8 @@ def instance_args(argv: Sequence[str]) -> list[str]:
 def serve_cluster(
     spec: str, argv: Sequence[str], host: str, port: int, num_threads: int | None, api_key: str | None = None
 ) -> int:
-    from pdserve.router.app import RouterConfig, serve_router
+    from pdserve.config import RouterConfig
+    from pdserve.router.app import serve_router
     from pdserve.server.launcher import ServerProcess
 
     # A fresh cluster secret: only this router can reserve KV blocks on, or send KV through, the

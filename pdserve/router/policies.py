@@ -9,9 +9,11 @@ an instance that is down or already failed this request.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+from pdserve.registry import Registry
 
 ROLES = ("prefill", "decode")
 
@@ -69,19 +71,18 @@ class LeastKVUsage:
         return min(candidates, key=lambda i: (i.kv_cache_usage, i.num_in_flight))
 
 
-POLICIES: dict[str, Callable[[], InstancePolicy]] = {
-    "round-robin": RoundRobin,
-    "least-outstanding-tokens": LeastOutstandingTokens,
-    "least-kv-usage": LeastKVUsage,
-}
-DEFAULT_PREFILL_POLICY = "least-outstanding-tokens"
-DEFAULT_DECODE_POLICY = "least-kv-usage"
+# name -> policy class (built with no arguments); `config.ROUTER_POLICIES` spells the same names for
+# validation (tests/unit/test_layering.py holds them equal).
+POLICIES: Registry[type[InstancePolicy]] = Registry(
+    "instance policy",
+    {
+        "round-robin": "pdserve.router.policies:RoundRobin",
+        "least-outstanding-tokens": "pdserve.router.policies:LeastOutstandingTokens",
+        "least-kv-usage": "pdserve.router.policies:LeastKVUsage",
+    },
+)
 
 
 def make_policy(name: str) -> InstancePolicy:
     """A new policy object (its own state) by registry name; ValueError names the known ones."""
-    try:
-        factory = POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown instance policy {name!r}; known: {', '.join(POLICIES)}") from None
-    return factory()
+    return POLICIES.load(name)()

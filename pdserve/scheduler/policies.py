@@ -5,10 +5,11 @@ A policy returns a `StepPlan` from the queue state. Later policies (SLO-aware bu
 not branches in the scheduler. `Scheduler.schedule()` calls `plan()` exactly once per step, so a policy
 may keep per-step counters on its instance (never in module globals: two engines must not share them).
 
-Optional hooks, which the scheduler calls when a policy has them (only `slo` does):
-`observe_step(duration, num_prefill_tokens, num_decode_seqs, num_context_tokens)` after every executed
-step, `admission_error(req, running, waiting) -> str | None` before a new request is queued, and a
-`step_model` attribute (`StepTimeModel`) whose state the server exports.
+Every policy subclasses `Policy`, whose hooks do nothing unless a policy overrides them (only `slo` does):
+`observe_step(...)` after every executed step, `admission_error(...)` before a new request is queued,
+`step_model` (a `StepTimeModel`, or None), and `stats()`, numbers the server exports as Prometheus
+series without knowing which policy produced them. The scheduler and the engine process call the hooks
+unconditionally: no probing for attributes, no `isinstance`.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain
-from typing import Protocol
+from typing import ClassVar
 
 from pdserve.config import SchedulerConfig
+from pdserve.registry import Registry
 from pdserve.request import Request
-from pdserve.scheduler.step_model import DEFAULT_PRIOR, StepTimeModel
+from pdserve.scheduler.step_model import DEFAULT_PRIOR, TERMS, StepTimeModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,15 +42,41 @@ class StepPlan:
     admit_order: tuple[Request, ...] | None = None
 
 
-class Policy(Protocol):
-    name: str
+class Policy:
+    """A scheduling policy. Subclasses implement `plan` and override the hooks they need. Every policy is
+    built the same way (`make_policy`): from the scheduler's config and its clock."""
+
+    name: ClassVar[str]
+    # The policy's online step-time model, if it keeps one; the engine process reports its prediction
+    # for each step beside the measured duration.
+    step_model: StepTimeModel | None = None
+
+    def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock  # time.monotonic, the clock of `Request.arrival_time`
 
     def plan(self, running: Sequence[Request], waiting: Sequence[Request]) -> list[StepPlan]:
         """Plans to try in order; the scheduler takes the first that schedules any work."""
-        ...
+        raise NotImplementedError
+
+    def observe_step(
+        self, duration: float, num_prefill_tokens: int, num_decode_seqs: int, num_context_tokens: int
+    ) -> None:
+        """One executed step's measured duration (seconds) and shape, for a policy that learns from it."""
+
+    def admission_error(
+        self, req: Request, running: Sequence[Request], waiting: Sequence[Request]
+    ) -> str | None:
+        """Why `req` should be refused now (the scheduler raises `SLORejectedError` with it), or None."""
+        return None
+
+    def stats(self) -> dict[str, float]:
+        """The policy's numbers for /metrics, read after every step. A key is a Prometheus series name
+        without the `pdserve:` prefix, optionally with labels (`name{label="value"}`); a name ending in
+        `_total` is a cumulative counter, any other a gauge."""
+        return {}
 
 
-class PrefillFirst:
+class PrefillFirst(Policy):
     """Classic continuous batching: whenever prompts wait, a step runs only prompts (whole), and every
     running decode stalls until they are done."""
 
@@ -62,7 +90,7 @@ class PrefillFirst:
         return [prefill, decode]
 
 
-class Chunked:
+class Chunked(Policy):
     """Stall-free batching (Sarathi-Serve): every running decode gets its token first, then prompt
     chunks fill what is left of the budget."""
 
@@ -72,7 +100,7 @@ class Chunked:
         return [StepPlan(running_first=True, run_decodes=True, admit=True, whole_prompts=False)]
 
 
-class DecodePriority:
+class DecodePriority(Policy):
     """Chunked, but prefills pause while decodes are under pressure: when at least
     `decode_priority_max_decodes` decodes run, or the oldest running decode has gone more than
     `decode_priority_max_wait_steps` steps without a token, a step runs only decodes (no admission, no
@@ -84,7 +112,8 @@ class DecodePriority:
 
     name = "decode-priority"
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(config, clock)
         self.max_decodes = config.decode_priority_max_decodes
         self.max_wait_steps = config.decode_priority_max_wait_steps
         self.max_decode_steps = config.decode_priority_max_decode_steps
@@ -121,7 +150,7 @@ class DecodePriority:
         return [decode_only, chunked]
 
 
-class SLOAware:
+class SLOAware(Policy):
     """Chunked with a budget sized against latency targets. Each step every running decode goes first;
     then prompts get as many tokens as the step-time model (`step_model.py`, fitted online from the
     engine's measured steps) says fit before the step reaches `slo_itl_ms`, but never fewer than
@@ -141,14 +170,14 @@ class SLOAware:
     name = "slo"
 
     def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(config, clock)
         self.ttft = config.slo_ttft_ms / 1e3
         self.itl = config.slo_itl_ms / 1e3
         self.min_chunk = config.slo_min_chunk
         self.reject = config.slo_reject
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.step_model = StepTimeModel(config.slo_step_model_prior or DEFAULT_PRIOR)
-        self.clock = clock  # time.monotonic, the clock of `Request.arrival_time`
+        self.step_model: StepTimeModel = StepTimeModel(config.slo_step_model_prior or DEFAULT_PRIOR)
         self.num_ttft_violations_predicted = 0
         self.num_rejected = 0
         self._late: set[str] = set()  # req_ids predicted to miss their TTFT, until their first token
@@ -239,18 +268,29 @@ class SLOAware:
             )
         return None
 
+    def stats(self) -> dict[str, float]:
+        coefficients = zip(TERMS, self.step_model.coefficients)
+        out = {f'step_model_coefficient_seconds{{term="{t}"}}': c for t, c in coefficients}
+        out["slo_ttft_violations_predicted_total"] = self.num_ttft_violations_predicted
+        out["slo_rejected_requests_total"] = self.num_rejected
+        return out
+
 
 def _arrival(req: Request) -> float:
     return req.arrival_time
 
 
-# name -> factory(config, clock); the clock is the scheduler's (a policy that reads time must share it).
-POLICIES: dict[str, Callable[[SchedulerConfig, Callable[[], float]], Policy]] = {
-    PrefillFirst.name: lambda config, clock: PrefillFirst(),
-    Chunked.name: lambda config, clock: Chunked(),
-    DecodePriority.name: lambda config, clock: DecodePriority(config),
-    SLOAware.name: SLOAware,
-}
+# name -> the policy class; every one is built as `cls(config, clock)`. `config.SCHEDULER_POLICIES` spells
+# the same names for validation (tests/unit/test_layering.py holds them equal).
+POLICIES: Registry[type[Policy]] = Registry(
+    "scheduler policy",
+    {
+        "prefill-first": "pdserve.scheduler.policies:PrefillFirst",
+        "chunked": "pdserve.scheduler.policies:Chunked",
+        "decode-priority": "pdserve.scheduler.policies:DecodePriority",
+        "slo": "pdserve.scheduler.policies:SLOAware",
+    },
+)
 
 
 def make_policy(
@@ -258,8 +298,5 @@ def make_policy(
 ) -> Policy:
     """The policy registered as `name`, configured from `config` (default: `SchedulerConfig` defaults).
     `clock`: the one the scheduler is given (`Request.arrival_time`'s), for policies that read time."""
-    try:
-        factory = POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown scheduler policy {name!r}; choose from {sorted(POLICIES)}") from None
-    return factory(config if config is not None else SchedulerConfig(policy=name), clock)
+    cls = POLICIES.load(name)
+    return cls(config if config is not None else SchedulerConfig(policy=name), clock)

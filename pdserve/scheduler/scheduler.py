@@ -141,10 +141,7 @@ class Scheduler:
     def check_admission(self, req: Request) -> None:
         """Raise `SLORejectedError` if the policy refuses `req` now (only `slo` with `slo_reject` does);
         changes nothing. Call before `add_request`."""
-        admission_error = getattr(self.policy, "admission_error", None)
-        if admission_error is None:
-            return
-        reason = admission_error(req, self.running, self.waiting)
+        reason = self.policy.admission_error(req, self.running, self.waiting)
         if reason is not None:
             raise SLORejectedError(reason)
 
@@ -237,15 +234,13 @@ class Scheduler:
     @property
     def step_model(self) -> StepTimeModel | None:
         """The policy's step-time model, if it keeps one (`slo`)."""
-        return getattr(self.policy, "step_model", None)
+        return self.policy.step_model
 
     def observe_step(
         self, duration: float, num_prefill_tokens: int, num_decode_seqs: int, num_context_tokens: int
     ) -> None:
         """One executed step's measured duration (seconds) and shape, for a policy that learns from it."""
-        observe_step = getattr(self.policy, "observe_step", None)
-        if observe_step is not None:
-            observe_step(duration, num_prefill_tokens, num_decode_seqs, num_context_tokens)
+        self.policy.observe_step(duration, num_prefill_tokens, num_decode_seqs, num_context_tokens)
 
     # ---- step ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

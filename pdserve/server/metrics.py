@@ -11,7 +11,10 @@ from __future__ import annotations
 import logging
 import time
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pdserve.engine.process.messages import EngineStats, StepStats, TransferStats
 
@@ -84,7 +87,6 @@ _REQUEST_BUCKETS = (
 )
 _STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _RATIO_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
-_STEP_MODEL_TERMS = ("base", "prefill_token", "decode_seq", "context_token")  # step_model.TERMS
 
 
 class ServerMetrics:
@@ -167,14 +169,10 @@ class ServerMetrics:
         self.finished = {
             reason: finished.labels(model_name, reason) for reason in ("stop", "length", "error")
         }
-        # `slo` policy: its step-time model and predictions (coefficients appear once the engine sends them).
-        self._step_model_coefficient = Gauge(
-            "pdserve:step_model_coefficient_seconds",
-            "Step-time model (slo policy): seconds per unit of each term (base: per step).",
-            ["model_name", "term"],
-            registry=r,
-        )
         self._model_name = model_name
+        # The scheduling policy's own series (`Policy.stats()`), whatever the policy: key -> value.
+        self.policy_series: dict[str, float] = {}
+        r.register(_PolicySeries(self.policy_series, model_name))
         self.step_time_predicted = gauge(
             "pdserve:step_time_predicted_seconds", "The step-time model's prediction for the last step."
         )
@@ -183,16 +181,8 @@ class ServerMetrics:
         )
         self.step_time_error = hist(
             "pdserve:step_time_prediction_error_ratio",
-            "|predicted - measured| / measured step time, per step (slo policy).",
+            "|predicted - measured| / measured step time, per step (policies with a step-time model).",
             _RATIO_BUCKETS,
-        )
-        self.ttft_violations_predicted = counter(
-            "pdserve:slo_ttft_violations_predicted",
-            "Requests the slo policy predicted to miss their TTFT target (counted once each).",
-        )
-        self.slo_rejected = counter(
-            "pdserve:slo_rejected_requests",
-            "Engine requests refused by the slo policy (the HTTP requests are in request_rejected too).",
         )
         # Disaggregation: KV transfers that ended on this instance, by direction and outcome.
         transfer_labels = ["model_name", "direction"]
@@ -251,10 +241,12 @@ class ServerMetrics:
         self.prefix_queried_tokens.inc(
             max(0, stats.num_prefix_queried_tokens - last.num_prefix_queried_tokens)
         )
-        self.ttft_violations_predicted.inc(
-            max(0, stats.num_ttft_violations_predicted - last.num_ttft_violations_predicted)
-        )
-        self.slo_rejected.inc(max(0, stats.num_slo_rejected - last.num_slo_rejected))
+        for key, value in stats.policy_stats.items():  # counters add differences, like the ones above
+            if key.endswith("_total"):
+                before = last.policy_stats.get(key, 0.0)
+                self.policy_series[key] = self.policy_series.get(key, 0.0) + max(0.0, value - before)
+            else:
+                self.policy_series[key] = value
         self.dropped["kv"].inc(max(0, stats.num_dropped_kv_messages - last.num_dropped_kv_messages))
         self.dropped["front_to_core"].inc(
             max(0, stats.num_dropped_front_messages - last.num_dropped_front_messages)
@@ -266,9 +258,6 @@ class ServerMetrics:
             before = last.spec_accepted_per_pos[pos] if pos < len(last.spec_accepted_per_pos) else 0
             if n > before:
                 self._spec_accepted_per_pos.labels(self._model_name, str(pos)).inc(n - before)
-        if stats.step_model_coefficients is not None:
-            for term, value in zip(_STEP_MODEL_TERMS, stats.step_model_coefficients):
-                self._step_model_coefficient.labels(self._model_name, term).set(value)
         self.engine = stats
         if step is not None:
             (self.prefill_step if step.num_prefill_tokens else self.decode_step).observe(step.duration)
@@ -311,6 +300,54 @@ class ServerMetrics:
         self.e2e.observe(e2e)
         if num_output_tokens > 1:
             self.tpot.observe(decode_time / (num_output_tokens - 1))
+
+    def observe_aborted(self, num_requests: int) -> None:
+        self.aborted.inc(num_requests)
+
+    def observe_failed(self, num_requests: int) -> None:
+        self.finished["error"].inc(num_requests)
+
+    def observe_dropped(self, channel: str) -> None:
+        self.dropped[channel].inc()
+
+    def observe_engine_restart(self) -> None:
+        self.engine = EngineStats(0, 0, 0.0, 0, 0, 0)  # the new core counts from zero
+        self.engine_restarts.inc()
+
+
+class _PolicySeries:
+    """Exposes `ServerMetrics.policy_series` at every scrape: `name{label="value",...}` keys grouped into
+    one family per name, `_total` names as counters, the rest as gauges, all labelled with the model."""
+
+    def __init__(self, series: dict[str, float], model_name: str) -> None:
+        self._series = series  # ServerMetrics.policy_series, updated in place
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for key, value in sorted(self._series.items()):
+            name, labels = _parse_series_key(key)
+            family = families.get(name)
+            if family is None:
+                doc = "Reported by the scheduling policy (docs/scheduling.md)."
+                label_names = ["model_name", *labels]
+                if name.endswith("_total"):
+                    family = CounterMetricFamily(f"pdserve:{name[: -len('_total')]}", doc, labels=label_names)
+                else:
+                    family = GaugeMetricFamily(f"pdserve:{name}", doc, labels=label_names)
+                families[name] = family
+            family.add_metric([self._model_name, *labels.values()], value)  # type: ignore[attr-defined]
+        yield from families.values()
+
+
+def _parse_series_key(key: str) -> tuple[str, dict[str, str]]:
+    """`'name{a="x",b="y"}'` -> ("name", {"a": "x", "b": "y"}); a key without braces has no labels."""
+    name, _, rest = key.partition("{")
+    labels: dict[str, str] = {}
+    for pair in filter(None, rest.rstrip("}").split(",")):
+        label, _, value = pair.partition("=")
+        labels[label.strip()] = value.strip().strip('"')
+    return name, labels
 
 
 class StatsLogger:

@@ -15,6 +15,7 @@ import zmq
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.request import SamplingParams
+from pdserve.scheduler.step_model import TERMS
 from pdserve.engine.process.core import CoreAddresses, EngineCore
 from pdserve.engine.process.messages import AddRequest, CoreMessage, EngineOutputs, Ready, RequestDelta, Shutdown
 from tests.support.tiny import TINY
@@ -66,9 +67,10 @@ def test_engine_core_sends_rejections_and_model_state(tiny_weights) -> None:
         assert refused.finish_reason == "error" and refused.rejected and not refused.invalid
         assert "time-to-first-token" in (refused.error or "")
         assert finished["long"].finish_reason == "length"
-        assert stats is not None and stats.num_slo_rejected == 1
+        assert stats is not None and stats.policy_stats["slo_rejected_requests_total"] == 1
         model = engine.scheduler.step_model
-        assert model is not None and stats.step_model_coefficients == model.coefficients
+        coefficients = tuple(stats.policy_stats[f'step_model_coefficient_seconds{{term="{t}"}}'] for t in TERMS)
+        assert model is not None and coefficients == model.coefficients
         assert steps and all(s.predicted_duration is not None and s.predicted_duration >= 0 for s in steps)
     finally:
         push.send(encoder.encode(Shutdown()))

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.bench import serve_bench
-from pdserve.bench.datasets import LongPromptMix, sample_long_prompt
+from pdserve.bench.datasets import sample_long_prompt
+from pdserve.config import LongPromptMix
 
 
 class WordTokenizer:

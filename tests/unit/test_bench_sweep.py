@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from pdserve.bench.client import LoadConfig
 from pdserve.bench.metrics import SLO, RequestRecord, compute_metrics
-from pdserve.bench.serve_bench import BenchResult, Workload
+from pdserve.bench.serve_bench import BenchResult
+from pdserve.config import LoadConfig, Workload
 from pdserve.bench.sweep import (
     SweepResult,
     format_sweep_table,
@@ -82,8 +82,8 @@ def test_table_and_report(tmp_path):
     assert "prefix-cache hits at rate(s) inf" in table
 
     out = tmp_path / "sweep.json"
-    load = LoadConfig("http://x", "m", request_rate=INF)
-    paths = write_sweep_report(str(out), result, load, Workload("random", 4))
+    load = LoadConfig(base_url="http://x", model="m", request_rate=INF)
+    paths = write_sweep_report(str(out), result, load, Workload(dataset="random", num_prompts=4))
     assert paths == [str(out), str(tmp_path / "sweep.png")]
     assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = json.loads(out.read_text())

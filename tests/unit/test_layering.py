@@ -9,6 +9,7 @@ import ast
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from pdserve import config
 from pdserve.config import KV_TRANSFER_BACKENDS, SCHEDULER_POLICIES
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2] / "pdserve"
@@ -23,7 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("pdserve.scheduler", "pdserve.runner", "pdserve.sim"),  # control plane / data plane of one step
     ("pdserve.model", "pdserve.attention"),
     ("pdserve.kv", "pdserve.transfer"),  # the KV cache and how it moves between instances
-    ("pdserve.config", "pdserve.request", "pdserve.batch", "pdserve.outputs", "pdserve.errors"),
+    ("pdserve.config", "pdserve.registry", "pdserve.request", "pdserve.batch", "pdserve.outputs", "pdserve.errors"),
 )
 
 
@@ -138,6 +139,63 @@ def test_registries_match_the_names_config_accepts():
 
     assert sorted(POLICIES) == sorted(SCHEDULER_POLICIES)
     assert sorted(TRANSPORTS) == sorted(KV_TRANSFER_BACKENDS)
+    # The rest read from the source, so this test imports no torch.
+    found = registries_in(PACKAGE_ROOT)
+    assert sorted(found["pdserve.attention.base.ATTENTION_BACKENDS"]) == sorted(config.ATTENTION_BACKENDS)
+    assert sorted(found["pdserve.router.policies.POLICIES"]) == sorted(config.ROUTER_POLICIES)
+    assert sorted(found["pdserve.bench.serve_bench.DATASETS"]) == sorted(config.BENCH_DATASETS)
+    assert module_constant(PACKAGE_ROOT / "model" / "linear.py", "LINEAR_KINDS") == config.LINEAR_KERNELS
+    assert set(found) >= {"pdserve.scheduler.policies.POLICIES", "pdserve.transfer.registry.TRANSPORTS"}
+
+
+def test_every_registry_entry_names_a_definition():
+    """Each "module:attr" of every `Registry(...)` in the package is a module here that defines attr at
+    its top level: a typo fails now, not at the first request that asks for that name."""
+    found = registries_in(PACKAGE_ROOT)
+    assert len(found) >= 4
+    for registry, entries in found.items():
+        for name, target in entries.items():
+            module, _, attr = target.partition(":")
+            path = PACKAGE_ROOT.parent.joinpath(*module.split(".")).with_suffix(".py")
+            assert path.is_file(), f"{registry}[{name!r}]: no module {module}"
+            assert attr in top_level_names(path), f"{registry}[{name!r}]: {module} defines no {attr}"
+
+
+def registries_in(root: Path) -> dict[str, dict[str, str]]:
+    """Every module-level `NAME = Registry("kind", {...})` (annotated or not), read with `ast`:
+    "module.NAME" -> its entries."""
+    out: dict[str, dict[str, str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            target, value = None, None
+            if isinstance(node, ast.Assign) and len(node.targets) == 1:
+                target, value = node.targets[0], node.value
+            elif isinstance(node, ast.AnnAssign):
+                target, value = node.target, node.value
+            if not (isinstance(target, ast.Name) and isinstance(value, ast.Call)):
+                continue
+            if isinstance(value.func, ast.Name) and value.func.id == "Registry" and len(value.args) == 2:
+                out[f"{module_name(path, root)}.{target.id}"] = ast.literal_eval(value.args[1])
+    return out
+
+
+def top_level_names(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return names
+
+
+def module_constant(path: Path, name: str) -> object:
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"{path} has no constant {name}")
 
 
 # --- the checker on a made-up tree, so a broken walk cannot pass silently

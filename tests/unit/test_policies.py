@@ -299,3 +299,70 @@ def test_cli_flags_reach_scheduler_config() -> None:
     assert defaults.decode_priority_max_decodes == SchedulerConfig().decode_priority_max_decodes
     assert defaults.decode_priority_max_wait_steps == SchedulerConfig().decode_priority_max_wait_steps
     assert defaults.decode_priority_max_decode_steps == SchedulerConfig().decode_priority_max_decode_steps
+
+
+# ---- the Policy base class: hooks without probing -------------------------------------------------
+
+
+class _Counting(Chunked):
+    """A policy outside the registry: refuses every other request, counts steps, reports both."""
+
+    name = "counting"
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
+        self.num_observed = 0
+        self.num_refused = 0
+        self.num_asked = 0
+
+    def observe_step(
+        self, duration: float, num_prefill_tokens: int, num_decode_seqs: int, num_context_tokens: int
+    ) -> None:
+        self.num_observed += 1
+
+    def admission_error(self, req: Request, running, waiting) -> str | None:  # type: ignore[no-untyped-def]
+        self.num_asked += 1
+        if self.num_asked % 2 == 0:
+            self.num_refused += 1
+            return "every other one"
+        return None
+
+    def stats(self) -> dict[str, float]:
+        return {"counting_refused_total": self.num_refused, 'counting_steps{kind="observed"}': self.num_observed}
+
+
+def test_base_hooks_do_nothing_and_overrides_are_called() -> None:
+    from pdserve.errors import SLORejectedError
+
+    config = SchedulerConfig(policy="chunked")
+    plain = Scheduler(config, BlockManager(16, 4, True), make_policy("chunked", config))
+    plain.check_admission(make_req("a", [1, 2, 3], 2))
+    plain.observe_step(0.01, 1, 1, 1)
+    assert plain.step_model is None and plain.policy.stats() == {}
+
+    policy = _Counting(config)
+    sched = Scheduler(config, BlockManager(16, 4, True), policy)
+    sched.check_admission(make_req("a", [1, 2, 3], 2))
+    with pytest.raises(SLORejectedError, match="every other one"):
+        sched.check_admission(make_req("b", [1, 2, 3], 2))
+    sched.observe_step(0.01, 1, 1, 1)
+    assert policy.stats() == {"counting_refused_total": 1, 'counting_steps{kind="observed"}': 1}
+
+
+def test_the_server_exports_any_policy_stats_without_knowing_the_policy() -> None:
+    from prometheus_client import generate_latest
+
+    from pdserve.engine.process.messages import EngineStats
+    from pdserve.server.metrics import ServerMetrics
+
+    m = ServerMetrics("m")
+    for refused, observed in ((2, 5), (3, 9)):
+        stats = {"counting_refused_total": refused, 'counting_steps{kind="observed"}': observed}
+        m.observe_engine(EngineStats(1, 0, 0.1, 0, 0, 0, policy_stats=stats), None)
+    m.observe_engine(EngineStats(0, 0, 0.0, 0, 0, 0), None)  # a restarted core counts from zero ...
+    stats = {"counting_refused_total": 1, 'counting_steps{kind="observed"}': 1}
+    m.observe_engine(EngineStats(1, 0, 0.1, 0, 0, 0, policy_stats=stats), None)
+    text = generate_latest(m.registry).decode()
+    assert 'pdserve:counting_refused_total{model_name="m"} 4.0' in text  # ... and counters keep adding up
+    assert 'pdserve:counting_steps{kind="observed",model_name="m"} 1.0' in text  # a gauge is the latest
+    assert "# TYPE pdserve:counting_refused_total counter" in text and "# TYPE pdserve:counting_steps gauge" in text

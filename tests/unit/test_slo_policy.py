@@ -405,8 +405,14 @@ def test_metrics_export_the_model_and_its_error() -> None:
 
     m = ServerMetrics("m")
     coef = (0.01, 0.0004, 0.0009, 0.000002)
-    m.observe_engine(EngineStats(1, 0, 0.1, 0, 0, 0, coef, 2, 1), StepStats(0.020, 0, 1, 0.025))
-    m.observe_engine(EngineStats(1, 0, 0.1, 0, 0, 0, coef, 3, 1), StepStats(0.040, 8, 1, 0.030))
+    policy = make_policy(POLICY, SchedulerConfig(policy=POLICY, slo_step_model_prior=coef))
+
+    def policy_stats(num_violations: int, num_rejected: int) -> dict[str, float]:
+        policy.num_ttft_violations_predicted, policy.num_rejected = num_violations, num_rejected  # type: ignore[attr-defined]
+        return policy.stats()
+
+    m.observe_engine(EngineStats(1, 0, 0.1, 0, 0, 0, policy_stats(2, 1)), StepStats(0.020, 0, 1, 0.025))
+    m.observe_engine(EngineStats(1, 0, 0.1, 0, 0, 0, policy_stats(3, 1)), StepStats(0.040, 8, 1, 0.030))
     text = generate_latest(m.registry).decode()
 
     def value(line_start: str) -> float:

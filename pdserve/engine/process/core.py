@@ -26,7 +26,6 @@ import zmq
 
 from pdserve.transfer.connector import RemoteDecode, RemotePrefill
 from pdserve.errors import InvalidRequestError, SLORejectedError
-from pdserve.scheduler.policies import SLOAware
 from pdserve.config import ServerConfig
 from pdserve.engine.process.messages import (
     AbortRequests,
@@ -294,25 +293,22 @@ def engine_stats(engine: LLMEngine, num_dropped_front_messages: int = 0) -> Engi
     """The engine's gauges and cumulative counters as sent to the front with every output message."""
     sched, bm = engine.scheduler, engine.block_manager
     connector = engine.connector
-    slo = sched.policy if isinstance(sched.policy, SLOAware) else None
     spec = engine.spec_decode_stats
     return EngineStats(
-        sched.num_running,
-        sched.num_waiting,
-        bm.usage,
-        sched.num_preemptions,
-        bm.num_prefix_hit_tokens,
-        bm.num_prefix_queried_tokens,
-        slo.step_model.coefficients if slo is not None else None,
-        slo.num_ttft_violations_predicted if slo is not None else 0,
-        slo.num_rejected if slo is not None else 0,
-        sched.num_swapped,
-        sched.num_swapped_out_blocks,
-        sched.num_swapped_in_blocks,
-        connector.transport.dropped.count if connector is not None else 0,
-        num_dropped_front_messages,
-        spec.num_drafts if spec is not None else 0,
-        spec.num_draft_tokens if spec is not None else 0,
-        spec.num_accepted_tokens if spec is not None else 0,
-        tuple(spec.accepted_per_pos) if spec is not None else (),
+        num_running=sched.num_running,
+        num_waiting=sched.num_waiting,
+        kv_cache_usage=bm.usage,
+        num_preemptions=sched.num_preemptions,
+        num_prefix_hit_tokens=bm.num_prefix_hit_tokens,
+        num_prefix_queried_tokens=bm.num_prefix_queried_tokens,
+        policy_stats=sched.policy.stats(),
+        num_swapped=sched.num_swapped,
+        num_swapped_out_blocks=sched.num_swapped_out_blocks,
+        num_swapped_in_blocks=sched.num_swapped_in_blocks,
+        num_dropped_kv_messages=connector.transport.dropped.count if connector is not None else 0,
+        num_dropped_front_messages=num_dropped_front_messages,
+        num_spec_drafts=spec.num_drafts if spec is not None else 0,
+        num_spec_draft_tokens=spec.num_draft_tokens if spec is not None else 0,
+        num_spec_accepted_tokens=spec.num_accepted_tokens if spec is not None else 0,
+        spec_accepted_per_pos=tuple(spec.accepted_per_pos) if spec is not None else (),
     )

@@ -71,7 +71,7 @@ class StepStats(msgspec.Struct, array_like=True):
     duration: float
     num_prefill_tokens: int
     num_decode_tokens: int
-    predicted_duration: float | None = None  # the step-time model's prediction for this step (`slo`)
+    predicted_duration: float | None = None  # the policy's step-time model's prediction for this step, if any
 
 
 class EngineStats(msgspec.Struct, array_like=True):
@@ -81,11 +81,9 @@ class EngineStats(msgspec.Struct, array_like=True):
     num_preemptions: int  # cumulative, like the counters below
     num_prefix_hit_tokens: int
     num_prefix_queried_tokens: int
-    # `slo` policy only: the step-time model's coefficients (seconds: base, per prefill token, per decode
-    # sequence, per context token) and cumulative counts of predicted TTFT misses and refused requests.
-    step_model_coefficients: tuple[float, float, float, float] | None = None
-    num_ttft_violations_predicted: int = 0
-    num_slo_rejected: int = 0
+    # The scheduling policy's own numbers (`Policy.stats()`: series name -> value, counters cumulative),
+    # exported by the front without knowing which policy sent them.
+    policy_stats: dict[str, float] = {}
     # Swap preemption: requests whose KV waits in the host tier now, and cumulative blocks copied.
     num_swapped: int = 0
     num_swapped_out_blocks: int = 0

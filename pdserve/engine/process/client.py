@@ -1,5 +1,7 @@
 """The front's handle on the engine core process: starts it, sends it requests and aborts, and routes
-its per-step deltas to the HTTP handlers waiting for them.
+its per-step deltas to the HTTP handlers waiting for them. It lives beside the core (`core.py`) and their
+messages (`messages.py`): the server uses it, and gives it a `FrontObserver` (the server's metrics) to
+report latencies and counts to, so nothing here imports the server.
 
 Everything here runs on the front's event loop and never blocks it: sends are non-blocking, and one
 task receives the core's messages. A handler passes an `asyncio.Queue` with each request; the client puts
@@ -24,6 +26,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import msgspec
 import zmq
@@ -43,8 +46,9 @@ from pdserve.engine.process.messages import (
     Ready,
     RequestDelta,
     Shutdown,
+    StepStats,
+    TransferStats,
 )
-from pdserve.server.metrics import ServerMetrics
 from pdserve.transfer.wire import DroppedMessages
 
 logger = logging.getLogger(__name__)
@@ -60,6 +64,32 @@ class OverloadedError(PdserveError):
     """Too many requests are waiting for their first token; the caller should retry later."""
 
 
+class FrontObserver(Protocol):
+    """What the client reports, as it happens (`server/metrics.py`'s `ServerMetrics` implements it).
+    Times are seconds, measured where the HTTP client sees them."""
+
+    def observe_engine(self, stats: EngineStats, step: StepStats | None) -> None: ...
+
+    def observe_transfer(self, t: TransferStats) -> None: ...
+
+    def observe_first_token(self, ttft: float, queue_time: float | None, num_prompt_tokens: int) -> None: ...
+
+    def observe_tokens(self, num_tokens: int, itl: float | None) -> None: ...
+
+    def observe_finished(self, reason: str, e2e: float, decode_time: float, num_output_tokens: int) -> None: ...
+
+    def observe_aborted(self, num_requests: int) -> None: ...
+
+    def observe_failed(self, num_requests: int) -> None:
+        """Requests failed because the core died."""
+
+    def observe_dropped(self, channel: str) -> None:
+        """A message from the core that did not decode (`channel`: "core_to_front")."""
+
+    def observe_engine_restart(self) -> None:
+        """A new core is ready after the previous one died (its counters start from zero)."""
+
+
 @dataclass(slots=True)
 class _Tracked:
     queue: DeltaQueue
@@ -72,9 +102,10 @@ class _Tracked:
 
 
 class EngineClient:
-    def __init__(self, config: ServerConfig, metrics: ServerMetrics) -> None:
+    def __init__(self, config: ServerConfig, metrics: FrontObserver) -> None:
         self.config = config
         self.metrics = metrics
+        self.stats = EngineStats(0, 0, 0.0, 0, 0, 0)  # the core's latest (zero until it reports)
         self.ready: Ready | None = None
         self.dead_reason: str | None = None
         self._requests: dict[str, _Tracked] = {}
@@ -162,7 +193,7 @@ class EngineClient:
                     msg = self._decoder.decode(await self._pull.recv())
                 except msgspec.DecodeError as e:
                     self._dropped.drop(e)
-                    self.metrics.dropped["core_to_front"].inc()
+                    self.metrics.observe_dropped("core_to_front")
                     continue
                 if isinstance(msg, Ready):
                     self.ready = msg
@@ -240,10 +271,6 @@ class EngineClient:
     def num_waiting_for_first_token(self) -> int:
         return self._num_waiting_first
 
-    @property
-    def stats(self) -> EngineStats:
-        return self.metrics.engine
-
     # ---- requests ------------------------------------------------------------------------------
     def check_capacity(self, num_requests: int) -> None:
         """Raise EngineDeadError or OverloadedError if `num_requests` more cannot be accepted now."""
@@ -283,7 +310,7 @@ class EngineClient:
             return
         for req_id in live:
             self._forget(req_id)
-        self.metrics.aborted.inc(len(live))
+        self.metrics.observe_aborted(len(live))
         if self.is_alive:
             try:
                 self._send(AbortRequests(live))
@@ -310,7 +337,7 @@ class EngineClient:
                 msg = self._decoder.decode(frame.buffer)
             except msgspec.DecodeError as e:
                 self._dropped.drop(e)
-                self.metrics.dropped["core_to_front"].inc()
+                self.metrics.observe_dropped("core_to_front")
                 continue
             try:
                 if isinstance(msg, EngineOutputs):
@@ -320,6 +347,7 @@ class EngineClient:
 
     def _on_outputs(self, msg: EngineOutputs) -> None:
         m = self.metrics
+        self.stats = msg.stats
         m.observe_engine(msg.stats, msg.step)
         for tr in msg.transfers:
             m.observe_transfer(tr)
@@ -345,7 +373,7 @@ class EngineClient:
             if d.finish_reason is not None:
                 self._forget(d.req_id)
                 if d.finish_reason == "abort":
-                    m.aborted.inc()
+                    m.observe_aborted(1)
                 else:
                     first = t.first_token_time if t.first_token_time is not None else now
                     m.observe_finished(
@@ -392,9 +420,9 @@ class EngineClient:
                 self.dead_reason = f"the engine core process died and its restart failed: {e}"
                 logger.error("%s", self.dead_reason)
                 continue
-            self.metrics.engine = EngineStats(0, 0, 0.0, 0, 0, 0)  # the new core counts from zero
+            self.stats = EngineStats(0, 0, 0.0, 0, 0, 0)  # the new core counts from zero
             self.num_restarts += 1
-            self.metrics.engine_restarts.inc()
+            self.metrics.observe_engine_restart()
             self.dead_reason = None
             logger.info("engine core restarted (%d restarts so far)", self.num_restarts)
             return
@@ -402,5 +430,5 @@ class EngineClient:
     def _fail_all(self, message: str) -> None:
         for req_id in list(self._requests):
             t = self._forget(req_id)
-            self.metrics.finished["error"].inc()
+            self.metrics.observe_failed(1)
             t.queue.put_nowait((t.index, RequestDelta(req_id, [], "", "error", error=message)))

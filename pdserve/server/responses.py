@@ -1,0 +1,257 @@
+"""How a job's deltas become an HTTP answer: one JSON body (`respond`), server-sent events (`stream`),
+a decode instance's early headers once its KV blocks are reserved (`after_reservation`, then either).
+`Format` is where the completions and chat endpoints differ; the rest is shared. Every path aborts the
+job's engine requests when it ends, so a client that leaves frees its KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from fastapi import Request
+from fastapi.responses import Response
+
+from pdserve.engine.process.messages import KVTransferParams, RequestDelta
+from pdserve.server import wire
+from pdserve.server.front import Job, Server
+from pdserve.server.http import WatchedStream, wait_disconnect
+from pdserve.server.protocol import APIError, usage
+
+_json = msgspec.json.Encoder()
+DONE = b"data: [DONE]\n\n"
+
+
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(_json.encode(body), status_code=status, media_type="application/json", headers=headers)
+
+
+def sse(body: Any) -> bytes:
+    return b"data: " + _json.encode(body) + b"\n\n"
+
+
+async def collect(job: Job, request: Request, server: Server, on_delta: Any) -> bool:
+    """Feed every delta of `job` to `on_delta` until all choices finish. Returns False if the client left
+    first (its requests are then aborted). Raises APIError if a request failed."""
+    remaining = job.num_choices
+
+    async def drain() -> None:
+        nonlocal remaining
+        while remaining:
+            index, d = await job.queue.get()
+            if d.finish_reason == "error":
+                raise server.error_of(d)
+            on_delta(index, d)
+            if d.finish_reason is not None:
+                remaining -= 1
+
+    drainer = asyncio.ensure_future(drain())
+    watcher = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        await asyncio.wait({drainer, watcher}, timeout=job.time_left(), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (drainer, watcher):
+            task.cancel()
+        server.client.abort(job.req_ids)  # skips those that finished
+    if drainer.done() and not drainer.cancelled():
+        drainer.result()  # raises the APIError of a failed request
+        return True
+    if not watcher.done():
+        raise server.timed_out()
+    return False
+
+
+
+@dataclass(slots=True)
+class Choice:
+    """What one choice has produced so far (all of it for a whole response, counts for a stream)."""
+
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    token_ids: list[int] = field(default_factory=list)  # only when logprobs are wanted
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    text_offset: int = 0
+    sent_role: bool = False
+
+
+class Format:
+    """How one endpoint spells its objects; the rest of the response logic is shared."""
+
+    def __init__(self, server: Server, job: Job, chat: bool) -> None:
+        self.server, self.job, self.chat = server, job, chat
+        self.logprobs = server.logprob_formatter if job.logprobs is not None else None
+
+    def head(self, stream: bool) -> dict[str, Any]:
+        if self.chat:
+            kind = "chat.completion.chunk" if stream else "chat.completion"
+        else:
+            kind = "text_completion"
+        return {
+            "id": self.job.http_id,
+            "object": kind,
+            "created": self.job.created,
+            "model": self.server.model_name,
+        }
+
+    def whole(self, c: Choice) -> dict[str, Any]:
+        text = "".join(c.text)
+        lp = self.logprobs
+        if self.chat:
+            logprobs = {"content": lp.chat(c.token_ids, c.logprobs, self.job.logprobs or 0)} if lp else None
+            return {"message": {"role": "assistant", "content": text}, "logprobs": logprobs}
+        return {"text": text, "logprobs": lp.completion(c.token_ids, c.logprobs, 0)[0] if lp else None}
+
+    def delta(self, c: Choice, d: RequestDelta) -> dict[str, Any]:
+        lp = self.logprobs if d.logprobs else None
+        if not self.chat:
+            logprobs = None
+            if lp is not None:
+                logprobs, c.text_offset = lp.completion(d.new_token_ids, d.logprobs or [], c.text_offset)
+            return {"text": d.new_text, "logprobs": logprobs}
+        delta: dict[str, Any] = {}
+        if not c.sent_role:  # the role rides on the first chunk that carries text, not ahead of it
+            delta["role"] = "assistant"
+            c.sent_role = True
+        if d.new_text or "role" in delta:
+            delta["content"] = d.new_text
+        logprobs = None
+        if lp is not None:
+            logprobs = {"content": lp.chat(d.new_token_ids, d.logprobs or [], self.job.logprobs or 0)}
+        return {"delta": delta, "logprobs": logprobs}
+
+
+async def respond(server: Server, job: Job, request: Request, chat: bool) -> Response:
+    """Collect every choice of `job` into one JSON body."""
+    fmt = Format(server, job, chat)
+    choices = [Choice() for _ in range(job.num_choices)]
+
+    def add(index: int, d: RequestDelta) -> None:
+        add_delta(fmt, choices[index], d)
+
+    if not await collect(job, request, server, add):
+        return Response(status_code=499)  # nobody is listening any more
+    return json_response(whole_body(fmt, job, choices))
+
+
+def add_delta(fmt: Format, c: Choice, d: RequestDelta) -> None:
+    c.text.append(d.new_text)
+    c.num_tokens += len(d.new_token_ids)
+    if fmt.logprobs is not None and d.logprobs:
+        c.token_ids.extend(d.new_token_ids)
+        c.logprobs.extend(d.logprobs)
+    if d.finish_reason is not None:
+        c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+
+
+def whole_body(fmt: Format, job: Job, choices: list[Choice]) -> dict[str, Any]:
+    body = fmt.head(stream=False)
+    body["choices"] = [
+        {"index": i, **fmt.whole(c), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        for i, c in enumerate(choices)
+    ]
+    body["usage"] = usage(job.num_prompt_tokens, sum(c.num_tokens for c in choices))
+    return body
+
+
+async def after_reservation(
+    server: Server, job: Job, kv: KVTransferParams, request: Request, chat: bool
+) -> Response:
+    """A decode instance's answer to a remote-prefill request: headers as soon as its blocks are
+    reserved (the router then starts the prefill), then the usual body."""
+    got = asyncio.ensure_future(job.queue.get())
+    gone = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        await asyncio.wait({got, gone}, timeout=job.time_left(), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not got.done():
+            got.cancel()
+            server.client.abort(job.req_ids)
+    if not got.done() or got.cancelled():
+        if not gone.done():
+            raise server.timed_out()
+        return Response(status_code=499)  # the router went away before the blocks were reserved
+    _, d = got.result()
+    if d.finish_reason == "error":
+        raise server.error_of(d)
+    if d.kv_skip_tokens is None or d.finish_reason is not None:  # nothing else comes first
+        server.client.abort(job.req_ids)
+        raise APIError(500, "the engine did not reserve KV blocks for this request", "server_error")
+    r = server.ready
+    assert r is not None
+    reservation = wire.KVReservation(
+        transfer_id=kv.transfer_id, address=r.kv_address, backend=r.kv_backend, skip_tokens=d.kv_skip_tokens
+    )
+    headers = {wire.KV_RESERVATION_HEADER: _json.encode(reservation).decode()}
+    if job.stream:
+        body = stream(server, job, chat)
+        return WatchedStream(body, media_type="text/event-stream", headers=headers)
+    return WatchedStream(json_when_done(server, job, chat), media_type="application/json", headers=headers)
+
+
+async def json_when_done(server: Server, job: Job, chat: bool) -> AsyncIterator[bytes]:
+    """A whole (non-streaming) body sent as a stream, so that headers can go out before it is ready.
+    An error after the headers is the body (status 200 is gone by then)."""
+    fmt = Format(server, job, chat)
+    choices = [Choice() for _ in range(job.num_choices)]
+    remaining = job.num_choices
+    try:
+        while remaining:
+            try:
+                index, d = await job.next_delta()
+            except asyncio.TimeoutError:
+                yield _json.encode(server.timed_out().body())
+                return
+            if d.finish_reason == "error":
+                yield _json.encode(server.error_of(d).body())
+                return
+            add_delta(fmt, choices[index], d)
+            if d.finish_reason is not None:
+                remaining -= 1
+        yield _json.encode(whole_body(fmt, job, choices))
+    finally:
+        server.client.abort(job.req_ids)
+
+
+async def stream(server: Server, job: Job, chat: bool) -> AsyncIterator[bytes]:
+    """Server-sent events: one chunk per delta that shows something, an optional usage chunk, [DONE].
+    Leaving early (the client went away) aborts the requests still running."""
+    fmt = Format(server, job, chat)
+    head = fmt.head(stream=True)
+    choices = [Choice() for _ in range(job.num_choices)]
+    remaining = job.num_choices
+    try:
+        while remaining:
+            try:
+                index, d = await job.next_delta()
+            except asyncio.TimeoutError:
+                yield sse(server.timed_out().body())
+                break
+            if d.finish_reason == "error":
+                yield sse(server.error_of(d).body())
+                break
+            c = choices[index]
+            c.num_tokens += len(d.new_token_ids)
+            if d.finish_reason is not None:
+                remaining -= 1
+            if not (d.new_text or d.finish_reason or (fmt.logprobs and d.logprobs)):
+                continue  # text held back (partial character, possible stop string): nothing to show yet
+            choice = {"index": index, **fmt.delta(c, d), "finish_reason": d.finish_reason}
+            if d.finish_reason is not None:
+                choice["stop_reason"] = d.stop_reason
+            chunk = {**head, "choices": [choice]}
+            if job.include_usage:
+                chunk["usage"] = None
+            yield sse(chunk)
+        else:
+            if job.include_usage:
+                total = sum(c.num_tokens for c in choices)
+                yield sse({**head, "choices": [], "usage": usage(job.num_prompt_tokens, total)})
+        yield DONE
+    finally:
+        server.client.abort(job.req_ids)
