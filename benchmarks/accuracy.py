@@ -30,8 +30,10 @@ from pdserve.bench.accuracy import (
     build_engines,
     evaluate,
     format_table,
+    parse_option,
     plan_steps,
     sample_conversations,
+    select_options,
 )
 
 
@@ -47,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-total-len", type=int, default=1024, help="prompt + reference reply, in tokens")
     ap.add_argument("--chunk", type=int, default=16, help="reply tokens per teacher-forced step (1: decode)")
-    ap.add_argument("--batch-size", type=int, default=8, help="conversations scored together per step")
+    ap.add_argument("--batch-size", type=int, default=16, help="conversations scored together per step")
     ap.add_argument("--max-tokens", type=int, default=128, help="greedy continuation length (0: skip)")
     ap.add_argument("--max-num-seqs", type=int, default=16, help="greedy continuations run together")
     ap.add_argument("--device", default="auto")
@@ -58,30 +60,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def chosen_options(args: argparse.Namespace) -> dict[str, dict[str, object]]:
-    """The baseline first, then the options asked for, by name (known or --define'd)."""
-    known = dict(OPTIONS)
-    for spec in args.define:
-        name, sep, text = spec.partition("=")
-        try:
-            overrides = json.loads(text) if sep else None
-        except json.JSONDecodeError as e:
-            raise OptionError(f"--define {name!r}: not valid JSON: {e}") from None
-        if not name or not isinstance(overrides, dict):
-            raise OptionError(f"--define wants NAME=JSON-object, got {spec!r}")
-        known[name] = overrides
-    names = [args.baseline] + [n for n in args.options.split(",") if n and n != args.baseline]
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise OptionError(f"unknown option(s) {unknown}; known: {sorted(known)} (or add one with --define)")
-    return {n: known[n] for n in names}
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     try:
-        options = chosen_options(args)
+        defined = dict(parse_option(spec) for spec in args.define)
+        options = select_options(args.baseline, [n for n in args.options.split(",") if n], defined)
         base = base_config(
             args.model, max_total_len=args.max_total_len, max_tokens=args.max_tokens,
             max_num_seqs=max(args.max_num_seqs, args.batch_size), device=args.device,

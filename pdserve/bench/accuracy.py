@@ -18,6 +18,7 @@ An option is a name for a few engine settings (`OPTIONS`). Each gets its own eng
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import random
@@ -99,6 +100,31 @@ def option_config(base: EngineConfig, name: str, overrides: Mapping[str, object]
         )
     except (ValueError, TypeError) as e:
         raise OptionError(f"option {name!r} {dict(overrides)}: {e}") from None
+
+
+def parse_option(spec: str) -> tuple[str, dict[str, object]]:
+    """`NAME=JSON-object` (the script's `--define`) as a name and its overrides."""
+    name, sep, text = spec.partition("=")
+    try:
+        overrides = json.loads(text) if sep else None
+    except json.JSONDecodeError as e:
+        raise OptionError(f"option {name!r}: its settings are not valid JSON: {e}") from None
+    if not name or not isinstance(overrides, dict):
+        raise OptionError(f"an option is NAME=JSON-object, e.g. kv-int8={{\"kv_cache_dtype\": \"int8\"}}; got {spec!r}")
+    return name, overrides
+
+
+def select_options(
+    baseline: str, names: Sequence[str], defined: Mapping[str, dict[str, object]] | None = None
+) -> dict[str, dict[str, object]]:
+    """The baseline first, then `names` (without repeating it), looked up in `OPTIONS` and `defined`
+    (which may add names or redefine known ones)."""
+    known = {**OPTIONS, **(defined or {})}
+    chosen = [baseline] + [n for n in dict.fromkeys(names) if n != baseline]
+    unknown = [n for n in chosen if n not in known]
+    if unknown:
+        raise OptionError(f"unknown option(s) {unknown}; known: {sorted(known)}")
+    return {n: known[n] for n in chosen}
 
 
 def base_config(

@@ -17,11 +17,13 @@ from pdserve.bench.accuracy import (
     evaluate,
     format_table,
     kl_divergence,
+    option_config,
     plan_steps,
     teacher_forced_rows,
 )
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.request import Request, SamplingParams
+from pdserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 from tests.support.tiny import TINY, random_prompts
 
 CHOICES = {"bf16": OPTIONS["bf16"], "fp32": OPTIONS["fp32"], "bf16-again": OPTIONS["bf16"]}
@@ -86,6 +88,42 @@ def test_chunked_scoring_reads_earlier_tokens_from_the_cache(engines, name, max_
     engine.kv_cache.data.zero_()
     wiped = torch.cat([prefill, *rows])
     assert kl_divergence(one_shot, wiped).max().item() > 0.05  # 50x the bf16 bound above
+
+
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+def test_a_scoring_step_computes_what_a_scheduled_step_samples_from(tiny_weights, convs, option):
+    """`ModelRunner.logits_for` runs a step as `execute` does: the same pieces run as a scheduled step
+    sample, greedily, the argmax of logits_for's last row of each piece, with its log-probability. Every
+    option this build has is checked, so a storage option that changes how a step runs is held here too
+    once it is merged."""
+    base = base_config(None, device="cpu", max_total_len=96, max_tokens=0, max_num_seqs=len(convs), block_size=4)
+    try:
+        config = option_config(base, option, OPTIONS[option])
+    except OptionError as e:
+        pytest.skip(str(e))
+    engine = LLMEngine(config, model_config=TINY, weights=tiny_weights)
+    greedy = SamplingParams(temperature=0.0, logprobs=1)
+    block_ids = {}
+    for i, c in enumerate(convs):
+        req = Request(f"score-{i}", c.stream_ids, greedy)
+        assert engine.block_manager.allocate_slots(req, len(c.stream_ids))
+        block_ids[i] = req.block_ids
+    for step in plan_steps(convs, chunk=5, max_batch=3):
+        pieces = [(p, convs[p.index].stream_ids[: p.start + p.num_tokens]) for p in step]
+        batch = [BatchRequest(f"score-{p.index}", s[p.start :], p.start, block_ids[p.index], False, 0, greedy)
+                 for p, s in pieces]
+        ours = engine.runner.logits_for(batch, [p.num_tokens for p in step])  # every row, prompts' too
+        scheduled = [
+            ScheduledRequest(Request(f"score-{p.index}", s, greedy, num_computed_tokens=p.start,
+                                     block_ids=list(block_ids[p.index])), p.num_tokens)
+            for p, s in pieces
+        ]
+        sampled = engine.runner.execute(SchedulerOutput(scheduled))
+        for (p, _), rows, tokens, logprobs in zip(pieces, ours, sampled.token_ids, sampled.logprobs):
+            assert rows.shape == (p.num_tokens, TINY.vocab_size)
+            last = torch.log_softmax(rows[-1], -1)
+            assert tokens == [int(last.argmax())]
+            assert logprobs is not None and logprobs[0][tokens[0]] == pytest.approx(float(last.max()), abs=1e-5)
 
 
 def test_a_value_only_the_engine_checks_fails_naming_the_option(tiny_weights):

@@ -17,9 +17,11 @@ from pdserve.bench.accuracy import (
     first_divergence,
     kl_divergence,
     option_config,
+    parse_option,
     perplexity,
     plan_steps,
     sample_conversations,
+    select_options,
     step_targets,
     token_nll,
     top1_agreement,
@@ -146,6 +148,18 @@ def test_unknown_setting_or_value_fails_naming_the_option():
         option_config(EngineConfig(), "kv-int3", {"kv_cache_dtype": "int3"})
     with pytest.raises(OptionError, match="option 'nested'"):
         option_config(EngineConfig(), "nested", {"cache": {}})  # whole sub-configs are not settings
+
+
+def test_options_are_chosen_by_name_baseline_first_and_defined_ones_added():
+    name, overrides = parse_option('kv-int8-bs32={"kv_cache_dtype": "int8", "block_size": 32}')
+    assert (name, overrides) == ("kv-int8-bs32", {"kv_cache_dtype": "int8", "block_size": 32})
+    chosen = select_options("bf16", ["fp32", "bf16", "kv-int8-bs32", "fp32"], {name: overrides})
+    assert list(chosen) == ["bf16", "fp32", "kv-int8-bs32"] and chosen["fp32"] == OPTIONS["fp32"]
+    with pytest.raises(OptionError, match=r"unknown option\(s\) \['kv-int7'\]"):
+        select_options("bf16", ["kv-int7"])
+    for bad in ("kv-int8", "x={not json", "=[1]", 'x=["a list"]'):
+        with pytest.raises(OptionError):
+            parse_option(bad)
 
 
 class FakeTokenizer:
