@@ -340,7 +340,7 @@ def plan_steps(convs: Sequence[Conversation], chunk: int, max_batch: int) -> lis
         step = []
         for i, start in list(active.items()):
             prefill_len = len(convs[i].prompt_ids) - 1
-            total = len(convs[i].stream_ids)
+            total = prefill_len + len(convs[i].reply_ids)  # len(stream_ids)
             if start < prefill_len:
                 n, scored = prefill_len - start, 0
             else:
@@ -366,12 +366,13 @@ def teacher_forced_rows(
         raise RuntimeError("teacher-forced scoring needs an idle engine")
     bm = engine.block_manager
     params = SamplingParams(max_tokens=1)
+    streams = [c.stream_ids for c in convs]
     reqs: dict[int, Request] = {}
     try:
         for step in steps:
             batch = []
             for p in step:
-                stream = convs[p.index].stream_ids
+                stream = streams[p.index]
                 req = reqs.get(p.index)
                 if req is None:
                     req = reqs[p.index] = Request(f"accuracy-{p.index}", stream, params)
