@@ -39,7 +39,8 @@ from pdserve.bench.accuracy import (
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="a registered name, .gguf file or HF directory (default: SmolLM2)")
+    ap.add_argument("--model", default=None,
+                    help="a registered name, .gguf file or HF directory (default: the bundled SmolLM2)")
     ap.add_argument("--options", default=",".join(n for n in OPTIONS if n != BASELINE),
                     help=f"comma-separated options to compare (known: {', '.join(OPTIONS)})")
     ap.add_argument("--baseline", default=BASELINE)
@@ -76,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     tokenizer = engines[args.baseline].tokenizer
-    convs = sample_conversations(tokenizer, args.num_prompts, args.seed, max_total_len=args.max_total_len)  # type: ignore[arg-type]
+    convs = sample_conversations(
+        tokenizer, args.num_prompts, args.seed, max_total_len=args.max_total_len  # type: ignore[arg-type]
+    )
     num_steps = len(plan_steps(convs, args.chunk, args.batch_size))
     with tqdm(total=num_steps, desc="teacher-forced steps", unit="step") as bar:
         results = evaluate(engines, args.baseline, convs, options, chunk=args.chunk, max_batch=args.batch_size,

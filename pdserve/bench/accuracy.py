@@ -59,7 +59,9 @@ class OptionError(ValueError):
 class ChatTokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str: ...
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +112,8 @@ def parse_option(spec: str) -> tuple[str, dict[str, object]]:
     except json.JSONDecodeError as e:
         raise OptionError(f"option {name!r}: its settings are not valid JSON: {e}") from None
     if not name or not isinstance(overrides, dict):
-        raise OptionError(f"an option is NAME=JSON-object, e.g. kv-int8={{\"kv_cache_dtype\": \"int8\"}}; got {spec!r}")
+        example = 'kv-int8={"kv_cache_dtype": "int8"}'
+        raise OptionError(f"an option is NAME=JSON-object, e.g. {example}; got {spec!r}")
     return name, overrides
 
 
@@ -204,7 +207,8 @@ def sample_conversations(
     for prompt, reply in pairs:
         if len(convs) == num:
             break
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        messages = [{"role": "user", "content": prompt}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         prompt_ids = tokenizer.encode(text)
         room = max_total_len - len(prompt_ids)
         if room < min_reply_len:
@@ -248,33 +252,53 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+# Context lengths (the scored row's position in its conversation) the KL is also broken down by: a
+# quantized cache's error may grow with the number of cached tokens attended.
+CONTEXT_BINS = (0, 128, 256, 512, 1024, 2048, 4096)
+
+
 @dataclass(slots=True)
 class TeacherForcedStats:
-    """Sums over reply positions of one option against the baseline (float64 on the host)."""
+    """One option against the baseline over reply positions: sums, plus every position's KL and context
+    position (a float64 and an int64 per position, on the host) for percentiles and the breakdown."""
 
     num_positions: int = 0
-    kl_sum: float = 0.0
-    kl_max: float = 0.0
     num_top1_agree: int = 0
     nll_sum: float = 0.0  # the option's NLL of the reference tokens
     base_nll_sum: float = 0.0
+    kl: list[torch.Tensor] = field(default_factory=list)
+    positions: list[torch.Tensor] = field(default_factory=list)
 
-    def add(self, base_logp: torch.Tensor, logp: torch.Tensor, targets: torch.Tensor) -> None:
-        kl = kl_divergence(base_logp, logp).double()
+    def add(
+        self, base_logp: torch.Tensor, logp: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor
+    ) -> None:
         self.num_positions += int(targets.numel())
-        self.kl_sum += float(kl.sum())
-        self.kl_max = max(self.kl_max, float(kl.max())) if kl.numel() else self.kl_max
+        self.kl.append(kl_divergence(base_logp, logp).double().cpu())
+        self.positions.append(positions.cpu())
         self.num_top1_agree += int(top1_agreement(base_logp, logp).sum())
         self.nll_sum += float(token_nll(logp, targets).double().sum())
         self.base_nll_sum += float(token_nll(base_logp, targets).double().sum())
 
-    def summary(self) -> dict[str, float | int]:
-        ppl, base_ppl = perplexity(self.nll_sum, self.num_positions), perplexity(self.base_nll_sum, self.num_positions)
+    def summary(self) -> dict[str, object]:
+        ppl = perplexity(self.nll_sum, self.num_positions)
+        base_ppl = perplexity(self.base_nll_sum, self.num_positions)
+        kl = torch.cat(self.kl) if self.kl else torch.zeros(1, dtype=torch.float64)
+        pos = torch.cat(self.positions) if self.positions else torch.zeros(1, dtype=torch.int64)
+        q = torch.quantile(kl, torch.tensor([0.5, 0.99, 0.999], dtype=torch.float64)).tolist()
+        bins = torch.bucketize(pos, torch.tensor(CONTEXT_BINS[1:]), right=True)
+        by_context = {}
+        for b in bins.unique().tolist():
+            lo, hi = CONTEXT_BINS[b], CONTEXT_BINS[b + 1] if b + 1 < len(CONTEXT_BINS) else None
+            by_context[f"{lo}-{hi - 1}" if hi else f"{lo}-"] = float(kl[bins == b].mean())
         n = max(1, self.num_positions)
         return {
             "positions": self.num_positions,
-            "mean_kl": self.kl_sum / n,
-            "max_kl": self.kl_max,
+            "mean_kl": float(kl.sum()) / n,
+            "median_kl": q[0],
+            "p99_kl": q[1],
+            "p999_kl": q[2],
+            "max_kl": float(kl.max()),
+            "mean_kl_by_context": by_context,
             "top1_agreement": self.num_top1_agree / n,
             "ppl": ppl,
             "base_ppl": base_ppl,
@@ -393,14 +417,17 @@ def teacher_forced_rows(
             bm.free(req)
 
 
-def step_targets(convs: Sequence[Conversation], step: Sequence[Piece]) -> torch.Tensor:
-    """The reference tokens the step's scored rows predict, in the order of `teacher_forced_rows`."""
+def step_targets(convs: Sequence[Conversation], step: Sequence[Piece]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference tokens the step's scored rows predict, and each row's position in its stream (the
+    tokens before it), in the order of `teacher_forced_rows`."""
     targets: list[int] = []
+    positions: list[int] = []
     for p in step:
         if p.num_scored:
             first = p.first_reply_index(convs[p.index])
             targets.extend(convs[p.index].reply_ids[first : first + p.num_scored])
-    return torch.tensor(targets, dtype=torch.int64)
+            positions.extend(range(p.start + p.num_tokens - p.num_scored, p.start + p.num_tokens))
+    return torch.tensor(targets, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64)
 
 
 def score_teacher_forced(
@@ -418,11 +445,12 @@ def score_teacher_forced(
     stats = {name: TeacherForcedStats() for name in engines if name != baseline}
     for step in steps:
         base_rows = next(streams[baseline])
-        targets = step_targets(convs, step).to(base_rows.device)
+        targets, positions = step_targets(convs, step)
+        targets = targets.to(base_rows.device)
         for name, s in stats.items():
             rows = next(streams[name])
             if targets.numel():
-                s.add(base_rows, rows.to(base_rows.device), targets)
+                s.add(base_rows, rows.to(base_rows.device), targets, positions)
         if progress is not None:
             progress(1)
     return stats
@@ -431,10 +459,12 @@ def score_teacher_forced(
 # ---- greedy continuations --------------------------------------------------------------------------
 def greedy_tokens(engine: LLMEngine, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
     """Each prompt continued greedily (stopping at EOS or `max_tokens`) through `LLM.generate`."""
-    llm = LLM.__new__(LLM)  # what LLM.from_config does, over an engine built here (tests build theirs in memory)
+    # What LLM.from_config does, over an engine built here (the tests build theirs from in-memory weights).
+    llm = LLM.__new__(LLM)
     llm.engine = engine
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    return [list(o.outputs[0].token_ids) for o in llm.generate([list(p) for p in prompts], params, use_tqdm=False)]
+    outputs = llm.generate([list(p) for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
 
 
 def score_greedy(
@@ -456,7 +486,7 @@ def score_greedy(
 class OptionResult:
     name: str
     overrides: dict[str, object]
-    teacher_forced: dict[str, float | int]
+    teacher_forced: dict[str, object]
     greedy: dict[str, float | int | None] | None
 
     def to_dict(self) -> dict[str, object]:
@@ -476,7 +506,9 @@ def evaluate(
 ) -> list[OptionResult]:
     """Teacher-forced and (with `max_tokens` > 0) greedy figures for every option but the baseline."""
     tf = score_teacher_forced(engines, baseline, convs, chunk, max_batch, progress)
-    greedy = score_greedy(engines, baseline, [c.prompt_ids for c in convs], max_tokens) if max_tokens > 0 else {}
+    greedy = {}
+    if max_tokens > 0:
+        greedy = score_greedy(engines, baseline, [c.prompt_ids for c in convs], max_tokens)
     return [
         OptionResult(name, dict(options.get(name, {})), tf[name].summary(),
                      greedy[name].summary() if name in greedy else None)
@@ -487,15 +519,15 @@ def evaluate(
 
 def format_table(baseline: str, results: Sequence[OptionResult]) -> str:
     """One line per option: the teacher-forced figures against the baseline, then the greedy ones."""
-    head = (f"{'option':<12} {'mean KL':>10} {'max KL':>9} {'top-1':>7} {'ppl':>8} {'ppl ' + baseline:>9} "
-            f"{'ppl delta':>9} {'identical':>9} {'1st div mean':>12} {'median':>7}")
+    head = (f"{'option':<12} {'mean KL':>10} {'p99 KL':>9} {'max KL':>9} {'top-1':>7} {'ppl':>8} "
+            f"{'ppl ' + baseline:>9} {'ppl delta':>9} {'identical':>9} {'1st div mean':>12} {'median':>7}")
     lines = [head]
     for r in results:
         t, g = r.teacher_forced, r.greedy or {}
         mean, median = g.get("mean_first_divergence"), g.get("median_first_divergence")
         lines.append(
-            f"{r.name:<12} {t['mean_kl']:>10.2e} {t['max_kl']:>9.2e} {t['top1_agreement']:>7.2%} {t['ppl']:>8.3f} "
-            f"{t['base_ppl']:>9.3f} {t['ppl_delta']:>+9.2%} "
+            f"{r.name:<12} {t['mean_kl']:>10.2e} {t['p99_kl']:>9.2e} {t['max_kl']:>9.2e} "
+            f"{t['top1_agreement']:>7.2%} {t['ppl']:>8.3f} {t['base_ppl']:>9.3f} {t['ppl_delta']:>+9.2%} "
             f"{_fmt(g.get('share_identical'), '.0%'):>9} {_fmt(mean, '.1f'):>12} {_fmt(median, '.1f'):>7}"
         )
     for r in results:

@@ -42,7 +42,8 @@ def convs():
 
 
 def test_same_option_twice_is_exact_and_fp32_differs_a_little(engines, convs):
-    results = {r.name: r for r in evaluate(engines, "bf16", convs, CHOICES, chunk=5, max_batch=3, max_tokens=12)}
+    results = evaluate(engines, "bf16", convs, CHOICES, chunk=5, max_batch=3, max_tokens=12)
+    results = {r.name: r for r in results}
     again, fp32 = results["bf16-again"], results["fp32"]
     n = sum(len(c.reply_ids) for c in convs)
     assert again.teacher_forced["positions"] == fp32.teacher_forced["positions"] == n
@@ -123,10 +124,12 @@ def test_a_scoring_step_computes_what_a_scheduled_step_samples_from(tiny_weights
             assert rows.shape == (p.num_tokens, TINY.vocab_size)
             last = torch.log_softmax(rows[-1], -1)
             assert tokens == [int(last.argmax())]
-            assert logprobs is not None and logprobs[0][tokens[0]] == pytest.approx(float(last.max()), abs=1e-5)
+            assert logprobs is not None
+            assert logprobs[0][tokens[0]] == pytest.approx(float(last.max()), abs=1e-5)
 
 
 def test_a_value_only_the_engine_checks_fails_naming_the_option(tiny_weights):
     base = base_config(None, device="cpu", max_total_len=32, max_tokens=4, max_num_seqs=1, block_size=4)
     with pytest.raises(OptionError, match="option 'fp6'.*float6"):
-        build_engines(base, {"fp6": {"dtype": "float6"}}, lambda c: LLMEngine(c, model_config=TINY, weights=tiny_weights))
+        build_engines(base, {"fp6": {"dtype": "float6"}},
+                      lambda c: LLMEngine(c, model_config=TINY, weights=tiny_weights))

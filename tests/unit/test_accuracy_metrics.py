@@ -67,12 +67,15 @@ def test_teacher_forced_stats_sum_over_positions():
     p = logp([0.4, 0.6], [0.9, 0.1])
     q = logp([0.9, 0.1], [0.9, 0.1])
     s = TeacherForcedStats()
-    s.add(p, q, torch.tensor([0, 0]))
-    s.add(p[:1], p[:1], torch.tensor([1]))
+    s.add(p, q, torch.tensor([0, 0]), positions=torch.tensor([5, 300]))
+    s.add(p[:1], p[:1], torch.tensor([1]), positions=torch.tensor([130]))
     out = s.summary()
+    kl0 = 0.4 * math.log(0.4 / 0.9) + 0.6 * math.log(0.6 / 0.1)
     assert out["positions"] == 3
-    assert out["mean_kl"] == pytest.approx((0.4 * math.log(0.4 / 0.9) + 0.6 * math.log(0.6 / 0.1)) / 3)
-    assert out["max_kl"] == pytest.approx(0.4 * math.log(0.4 / 0.9) + 0.6 * math.log(0.6 / 0.1))
+    assert out["mean_kl"] == pytest.approx(kl0 / 3)
+    assert out["max_kl"] == pytest.approx(kl0) and out["median_kl"] == 0.0
+    assert out["p99_kl"] == pytest.approx(kl0 * 0.98)  # linear between the two largest of [0, 0, kl0]
+    assert out["mean_kl_by_context"] == pytest.approx({"0-127": kl0, "128-255": 0.0, "256-511": 0.0})
     assert out["top1_agreement"] == pytest.approx(2 / 3)
     assert out["ppl"] == pytest.approx((0.9 * 0.9 * 0.6) ** (-1 / 3))
     assert out["base_ppl"] == pytest.approx((0.4 * 0.9 * 0.6) ** (-1 / 3))
@@ -121,7 +124,9 @@ def test_plan_covers_every_stream_position_once_and_scores_every_reply_token(chu
         expected = [
             convs[p.index].reply_ids[p.first_reply_index(convs[p.index]) + k] for p in step for k in range(p.num_scored)
         ]
-        assert step_targets(convs, step).tolist() == expected
+        targets, positions = step_targets(convs, step)
+        assert targets.tolist() == expected
+        assert positions.tolist() == [p.start + k for p in step for k in range(p.num_scored)]
     for i, c in enumerate(convs):
         assert ran[i] == list(range(len(c.stream_ids)))
         assert scored[i] == list(range(len(c.reply_ids)))
