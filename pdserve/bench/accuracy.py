@@ -4,14 +4,14 @@ baseline engine (issue 17 item 6; `docs/accuracy.md`, `benchmarks/accuracy.py`).
 An option is a name for a few engine settings (`OPTIONS`). Each gets its own engine, built from one base
 `EngineConfig` plus its overrides, and every engine scores the same conversations two ways:
 
-- **Teacher-forced.** A conversation's prompt (through the chat template) is prefilled, then the stream
-  `prompt[-1:] + reply[:-1]` is fed `chunk` tokens per step with the paged cache holding every earlier
-  token, so each reference-reply position's next-token distribution comes from attention that reads the
+- **Teacher-forced.** A conversation's prompt (through the chat template) but its last token is
+  prefilled, then the stream `prompt[-1:] + reply[:-1]` is fed `chunk` tokens per step with the paged
+  cache holding every earlier token, so each reference-reply position's next-token distribution comes from attention that reads the
   earlier K/V from the cache as decode does (a quantized cache shows its error; `chunk=1` is decode
   exactly). The step plan depends only on the conversations' lengths, so all engines run the same
   steps in lockstep and the baseline's log-softmax rows are compared with each option's as they come:
-  nothing of size reply x vocab is kept. Per option: mean KL(p_base || p_opt), top-1 agreement and the
-  perplexity of the reference reply, over all reply positions.
+  nothing of size reply x vocab is kept. Per option: KL(p_base || p_opt) (mean, percentiles, by context
+  length), top-1 agreement and the perplexity of the reference reply, over all reply positions.
 - **Greedy.** Every engine continues every prompt greedily through `LLM.generate`; per prompt, the first
   index where an option's tokens differ from the baseline's.
 """
@@ -26,6 +26,7 @@ import statistics
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
+from types import MappingProxyType
 from typing import Protocol
 
 import torch
@@ -40,13 +41,13 @@ from pdserve.request import Request, SamplingParams
 logger = logging.getLogger(__name__)
 
 # Option name -> engine settings it overrides (fields of EngineConfig, CacheConfig or SchedulerConfig).
-OPTIONS: dict[str, dict[str, object]] = {
+OPTIONS: Mapping[str, dict[str, object]] = MappingProxyType({
     "bf16": {"dtype": "bfloat16"},
     "fp32": {"dtype": "float32"},
     "kv-int8": {"kv_cache_dtype": "int8"},
     "kv-fp8": {"kv_cache_dtype": "fp8_e4m3"},
     "w-int8": {"weight_dtype": "int8"},
-}
+})
 BASELINE = "bf16"
 
 EngineFactory = Callable[[EngineConfig], LLMEngine]
