@@ -99,6 +99,27 @@ class ModelRunner:
                     logprobs[row] = [dict(zip(ids[row][: p.logprobs + 1], lp[row][: p.logprobs + 1]))]
         return ModelOutput(token_ids, logprobs, time.perf_counter() - t0)
 
+    @torch.inference_mode()
+    def logits_for(self, requests: list[BatchRequest], num_scored: list[int]) -> list[torch.Tensor]:
+        """Run `requests` as one step, laid out and cached exactly like a scheduled one (their K/V are
+        written by their block tables; earlier positions are read from the cache), and return for each
+        the float32 logits of its last `num_scored[i]` tokens, `[num_scored[i], vocab]`, in the order
+        given. Teacher-forced scoring (`pdserve.bench.accuracy`) wants every position's distribution,
+        not a sample; the caller owns the block tables (allocated from the engine's block manager)."""
+        assert len(num_scored) == len(requests)
+        order = sorted(range(len(requests)), key=lambda i: _layout_key(requests[i]))
+        scheduled = [requests[i] for i in order]
+        input_ids, positions, meta, last_index = self._prepare(scheduled)
+        hidden = self.model(input_ids, positions, self.kv_cache.layers, meta, self.attn)
+        if not any(num_scored):  # a prompt prefill: only the cache is wanted
+            return [hidden.new_empty(0, self.vocab_size, dtype=torch.float32) for _ in requests]
+        rows = torch.cat([
+            torch.arange(last_index[j] - num_scored[i] + 1, last_index[j] + 1) for j, i in enumerate(order)
+        ])
+        logits = self.model.compute_logits(hidden.index_select(0, rows.to(self.device)))
+        pieces = dict(zip(order, logits.split([num_scored[i] for i in order])))
+        return [pieces[i] for i in range(len(requests))]
+
     def _verify(
         self,
         sampling: list[BatchRequest],
