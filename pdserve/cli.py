@@ -54,6 +54,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-space", type=float, default=4.0, help="swap: host-memory tier for KV, in GiB")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
+    from pdserve.config import KV_CACHE_DTYPES
+
+    g.add_argument(
+        "--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+        help="how K/V are stored: auto = the model's dtype; int8 / fp8_e4m3 keep one float32 scale per token "
+        "and kv head (about 1.9x the blocks in the same memory; docs/kv_quantization.md)",
+    )
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "torch-compiled", "cpu-paged"])
@@ -140,7 +147,8 @@ def engine_config(args: argparse.Namespace, num_threads: int | None = None):  # 
             if getattr(args, "speculative_config", None) else None
         ),
         cache=CacheConfig(
-            args.block_size, None, args.kv_cache_memory_gb, not args.no_prefix_caching, args.swap_space
+            args.block_size, None, args.kv_cache_memory_gb, not args.no_prefix_caching, args.swap_space,
+            kv_cache_dtype=args.kv_cache_dtype,
         ),
         scheduler=SchedulerConfig(
             args.scheduler,

@@ -32,6 +32,7 @@ class LLM:
         swap_space_gb: float = 4.0,
         block_size: int = 16,
         kv_cache_memory_gb: float = 2.0,
+        kv_cache_dtype: str = "auto",
         num_blocks: int | None = None,
         enable_prefix_caching: bool = True,
         num_threads: int | None = None,
@@ -48,6 +49,7 @@ class LLM:
     ) -> None:
         """`model` is a .gguf file or a Hugging Face directory (None: the bundled SmolLM2-135M-Instruct).
         `model_config` + `weights` (+ `tokenizer`) build an engine from in-memory weights instead (tests).
+        `kv_cache_dtype`: how K/V are stored ("auto" = the model's dtype; "int8", "fp8_e4m3" quantized).
         `speculative_config`: speculative decoding in vLLM's convention (see `SpeculativeConfig`)."""
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig.from_dict(speculative_config)
@@ -63,7 +65,10 @@ class LLM:
             kernel_cache_dir=kernel_cache_dir,
             seed=seed,
             speculative=speculative_config,
-            cache=CacheConfig(block_size, num_blocks, kv_cache_memory_gb, enable_prefix_caching, swap_space_gb),
+            cache=CacheConfig(
+                block_size, num_blocks, kv_cache_memory_gb, enable_prefix_caching, swap_space_gb,
+                kv_cache_dtype=kv_cache_dtype,
+            ),
             scheduler=SchedulerConfig(
                 scheduler, max_num_batched_tokens, max_num_seqs, max_model_len, chunk_size, preemption_mode
             ),

@@ -19,7 +19,7 @@ from pdserve.transfer.inproc import InprocHub, InprocTransport
 from tests.support.tiny import TINY, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-LAYOUT = KVLayout(TINY.num_layers, TINY.num_kv_heads, TINY.head_dim, torch.float32)
+LAYOUT = KVLayout(TINY.num_layers, TINY.num_kv_heads, TINY.head_dim, torch.float32, block_size=4)
 
 
 def make_engine(weights, role: str, transport=None, *, lease_s: float = 120.0, ack_timeout_s: float = 10.0, **sched):
