@@ -7,8 +7,9 @@ cache and uses a bottom-right-aligned causal mask.
 
 A quantized cache (int8, fp8) is written through `kv.cache.write` (quantized on the way in) and read
 through `LayerCache.gather_blocks` (dequantized to the model's dtype on the way out): this backend is
-the oracle the quantized kernels are checked against. A prompt chunk with nothing cached before it
-attends to its fresh K/V in the model's dtype, as it does unquantized.
+the oracle the quantized kernels are checked against. Every read of a quantized cache sees the stored
+values, a prompt's own fresh K/V included (read back after the write, as vLLM's fp8 path and our
+kernels do), so prefix caching, chunking and disaggregation do not change what attention sees.
 """
 
 from __future__ import annotations
@@ -50,11 +51,19 @@ class TorchAttention:
 
     def prefill(self, q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
         """Attention of every prefill chunk, into its rows of `out` (K/V already in the cache)."""
-        kvh, _, _, d = cache.k.shape
-        for p in meta.prefills:
+        kvh, _, bs, d = cache.k.shape
+        for j, p in enumerate(meta.prefills):
             s, e = p.query_start, p.query_start + p.query_len
             qp = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
-            if p.context_blocks is None:
+            if p.context_blocks is None and cache.quantized and meta.prefill_block_table is not None:
+                # Read back what was just written, as every later read does (and the kernels do): the
+                # output then does not depend on whether a prompt's start was cached or chunked.
+                blocks = meta.prefill_block_table[j, : -(-p.context_len // bs)].to(q.device)
+                kc, vc = cache.gather_blocks(blocks, q.dtype)
+                kp = kc.reshape(1, kvh, -1, d)[:, :, : p.context_len]
+                vp = vc.reshape(1, kvh, -1, d)[:, :, : p.context_len]
+                o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
+            elif p.context_blocks is None:
                 kp = k[s:e].transpose(0, 1).unsqueeze(0)
                 vp = v[s:e].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)

@@ -109,7 +109,7 @@ class LLMEngine(EngineLoop):
         attn = self._make_attention(config.attention_backend)
         if not attn.supports_kv_dtype(self.kv_layout.kv_dtype):
             logger.warning(
-                "attention %s cannot read a %s KV cache; using the torch reference backend instead",
+                "attention %s cannot read a KV cache stored as %s; using the torch reference backend instead",
                 attn.name, self.kv_layout.kv_dtype,
             )
             attn = get_attention_backend("torch")
