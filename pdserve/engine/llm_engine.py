@@ -23,7 +23,7 @@ from pdserve.spec import SpecDecodeStats, SpeculativeExecutor
 from pdserve.transfer.base import KVTransport
 from pdserve.transfer.registry import transport_class
 
-__all__ = ["LLMEngine", "StepRecord", "resolve_device", "resolve_dtype"]
+__all__ = ["LLMEngine", "StepRecord", "make_attention", "resolve_device", "resolve_dtype"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,32 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype not in table:
         raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(table)}")
     return table[dtype]
+
+
+def make_attention(name: str, dtype: torch.dtype, device: torch.device, kv_dtype: str) -> AttentionBackend:
+    """The attention backend `name` ("auto": the fastest that works here) for a model in `dtype` over a
+    cache stored as `kv_dtype`; the torch reference, with a WARNING, where the chosen one cannot read it."""
+    attn = _pick_attention(name, dtype, device)
+    if not attn.supports_kv_dtype(kv_dtype):
+        logger.warning(
+            "attention %s cannot read a KV cache stored as %s; using the torch reference backend instead",
+            attn.name, kv_dtype,
+        )
+        attn = get_attention_backend("torch")
+    return attn
+
+
+def _pick_attention(name: str, dtype: torch.dtype, device: torch.device) -> AttentionBackend:
+    if name != "auto":
+        return get_attention_backend(name)
+    if dtype == torch.float32:
+        return get_attention_backend("torch")  # the reference: what the fp32 correctness tests use
+    if device.type == "cpu":
+        try:
+            return get_attention_backend("cpu-paged")
+        except Exception as e:  # no compiler, or it failed: the compiled torch backend still works
+            logger.warning("C++ paged decode kernel unavailable (%s); using torch-compiled", e)
+    return get_attention_backend("torch-compiled")
 
 
 class LLMEngine(EngineLoop):
@@ -106,13 +132,7 @@ class LLMEngine(EngineLoop):
         block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         host_pool = HostBlockPool(num_host_blocks) if num_host_blocks else None
         scheduler = Scheduler(sc, block_manager, make_policy(sc.policy, sc), host_pool)
-        attn = self._make_attention(config.attention_backend)
-        if not attn.supports_kv_dtype(self.kv_layout.kv_dtype):
-            logger.warning(
-                "attention %s cannot read a KV cache stored as %s; using the torch reference backend instead",
-                attn.name, self.kv_layout.kv_dtype,
-            )
-            attn = get_attention_backend("torch")
+        attn = self._make_attention(config.attention_backend, self.kv_layout.kv_dtype)
         attn.warmup(self.kv_cache.layers[0], model_config.num_heads)
         self.runner = ModelRunner(self.model, self.kv_cache, attn, self.device, config.seed)
         eos = set(model_config.eos_token_ids)
@@ -155,17 +175,8 @@ class LLMEngine(EngineLoop):
     def runner(self, runner: ModelRunner) -> None:
         self.executor = runner
 
-    def _make_attention(self, name: str) -> AttentionBackend:
-        if name != "auto":
-            return get_attention_backend(name)
-        if self.dtype == torch.float32:
-            return get_attention_backend("torch")  # the reference: what the fp32 correctness tests use
-        if self.device.type == "cpu":
-            try:
-                return get_attention_backend("cpu-paged")
-            except Exception as e:  # no compiler, or it failed: the compiled torch backend still works
-                logger.warning("C++ paged decode kernel unavailable (%s); using torch-compiled", e)
-        return get_attention_backend("torch-compiled")
+    def _make_attention(self, name: str, kv_dtype: str) -> AttentionBackend:
+        return make_attention(name, self.dtype, self.device, kv_dtype)
 
     def _make_connector(self, transport: KVTransport | None) -> KVConnector | None:
         kc = self.config.kv_transfer

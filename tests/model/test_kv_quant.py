@@ -276,11 +276,11 @@ def test_kv_cache_num_blocks_gauge():
     assert 'pdserve:kv_cache_num_blocks{model_name="m"} 1234.0' in generate_latest(m.registry).decode()
 
 
-def test_backend_without_quantized_kernels_falls_back_to_the_reference(tiny_weights, caplog):
+def test_backend_without_quantized_kernels_falls_back_to_the_reference(tiny_weights, caplog, monkeypatch):
     """A backend whose `supports_kv_dtype` says no is replaced by the torch reference, with a WARNING."""
     from pdserve.attention.torch_ref import TorchAttention
     from pdserve.config import CacheConfig, EngineConfig
-    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine import llm_engine
 
     class NoInt8(TorchAttention):
         name = "no-int8"
@@ -288,12 +288,10 @@ def test_backend_without_quantized_kernels_falls_back_to_the_reference(tiny_weig
         def supports_kv_dtype(self, kv_dtype: str) -> bool:
             return kv_dtype != "int8"
 
-    class Engine(LLMEngine):
-        def _make_attention(self, name: str):  # type: ignore[no-untyped-def]
-            return NoInt8()
-
+    monkeypatch.setattr(llm_engine, "_pick_attention", lambda name, dtype, device: NoInt8())
+    assert llm_engine.make_attention("auto", torch.float32, torch.device("cpu"), "bfloat16").name == "no-int8"
     cfg = EngineConfig(dtype="float32", device="cpu", cache=CacheConfig(num_blocks=64, block_size=4, kv_cache_dtype="int8"))
     with caplog.at_level(logging.WARNING, logger="pdserve.engine.llm_engine"):
-        engine = Engine(cfg, model_config=TINY, weights=tiny_weights)
+        engine = llm_engine.LLMEngine(cfg, model_config=TINY, weights=tiny_weights)
     assert engine.runner.attn.name == "torch"
     assert any("no-int8 cannot read a KV cache stored as int8" in r.getMessage() for r in caplog.records)
