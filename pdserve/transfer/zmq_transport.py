@@ -34,7 +34,7 @@ import torch
 import zmq
 
 from pdserve.transfer.base import (
-    KVAck, KVChunk, KVDone, KVFailed, KVLayout, KVTransport, TransferError, layout_mismatch,
+    KVAck, KVChunk, KVDone, KVFailed, KVLayout, KVLayoutMismatch, KVTransport, TransferError, layout_mismatch,
 )
 from pdserve.transfer.wire import AckHeader, ChunkHeader, DoneHeader, Header, HelloHeader, Signer, ToReceiver
 
@@ -383,6 +383,10 @@ class ShmTransport(_ZmqTransport):
         path = self._buffer_path(out.dest, transfer_id)
         try:
             out.buffer = _map(path, self._shape(out.end - out.start), self.layout.chunk_dtype, create=False)
+        except _SizeMismatch as e:  # the receiver sized it for its own layout
+            raise KVLayoutMismatch(
+                f"KV layout mismatch: the receiver's buffer ({e}) does not fit this instance's {self.layout.key()}"
+            ) from None
         except OSError as e:
             raise TransferError(f"the receiver's KV buffer is not there ({e})") from None
 
@@ -420,6 +424,10 @@ class ShmTransport(_ZmqTransport):
             os.unlink(os.path.join(tempfile.gettempdir(), f"{self._stem}.sock"))
 
 
+class _SizeMismatch(OSError):
+    """A receiver's shm buffer of another size than the sender's layout needs for the same tokens."""
+
+
 def _map(path: str, shape: tuple[int, ...], dtype: torch.dtype, create: bool) -> torch.Tensor:
     """A tensor over a file mapped shared (the mapping outlives the file's name)."""
     nbytes = dtype.itemsize
@@ -430,7 +438,7 @@ def _map(path: str, shape: tuple[int, ...], dtype: torch.dtype, create: bool) ->
         if create:
             os.ftruncate(fd, nbytes)
         elif os.fstat(fd).st_size != nbytes:
-            raise OSError(f"{path} has {os.fstat(fd).st_size} bytes, expected {nbytes}")
+            raise _SizeMismatch(f"{os.fstat(fd).st_size} bytes, expected {nbytes}")
         mm = mmap.mmap(fd, nbytes)
     finally:
         os.close(fd)

@@ -321,3 +321,17 @@ def test_receiver_refuses_chunks_of_another_layout(pair, prompts, backend):
 def test_connector_refuses_a_transport_of_another_layout(tiny_weights):
     with pytest.raises(ValueError, match="not the cache's"):
         make_engine(tiny_weights, "decode", InprocTransport(LAYOUT, InprocHub()), kv_cache_dtype="int8")
+
+
+def test_shm_sender_refuses_a_buffer_of_another_layout(pair, prompts):
+    """shm: the decode side sizes each transfer's buffer for its own layout; a sender whose layout needs
+    other sizes refuses it at open (int8 rows of 16 + 4 bytes against float32 rows of 64)."""
+    p, d = pair("shm", {"kv_cache_dtype": "int8"}, {})
+    d.add_request(prompts[0], GREEDY, req_id="d0", kv_transfer=RemotePrefill("t0"))
+    d.step()
+    ((rid, skip),) = d.take_kv_reservations()
+    with pytest.raises(InvalidRequestError, match="KV layout mismatch: the receiver's buffer"):
+        p.add_request(prompts[0], GREEDY, kv_transfer=RemoteDecode("t0", d.connector.address, skip))  # type: ignore[union-attr]
+    d.abort_request(rid)
+    d.step()
+    assert_no_leaks(p, d)
