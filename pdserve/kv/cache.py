@@ -42,6 +42,14 @@ def storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     return _PLAIN_DTYPES[kv_cache_dtype]
 
 
+def kv_dtype_name(dtype: torch.dtype) -> str:
+    """The `--kv-cache-dtype` name of a storage dtype (the inverse of `storage_dtype`)."""
+    for name, (quant_dtype, _) in QUANT_DTYPES.items():
+        if quant_dtype == dtype:
+            return name
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     """How K/V sit in memory: what a cache allocates and what both ends of a transfer must agree on.
@@ -61,10 +69,7 @@ class KVLayout:
     @property
     def kv_dtype(self) -> str:
         """The `--kv-cache-dtype` name of the storage dtype."""
-        for name, (dtype, _) in QUANT_DTYPES.items():
-            if dtype == self.dtype:
-                return name
-        return str(self.dtype).removeprefix("torch.")
+        return kv_dtype_name(self.dtype)
 
     @property
     def quantized(self) -> bool:
@@ -111,11 +116,6 @@ class KVLayout:
         )
 
 
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
-    """Bytes of one block across all layers, scales included (what `--kv-cache-memory-gb` is divided by)."""
-    return KVLayout.for_model(cfg, block_size, kv_cache_dtype, dtype).block_bytes
-
-
 @dataclass(slots=True)
 class LayerCache:
     """One layer's paged K/V as the attention backends see it: `k`, `v` are
@@ -134,10 +134,7 @@ class LayerCache:
 
     @property
     def kv_dtype(self) -> str:
-        for name, (dtype, _) in QUANT_DTYPES.items():
-            if dtype == self.k.dtype:
-                return name
-        return str(self.k.dtype).removeprefix("torch.")
+        return kv_dtype_name(self.k.dtype)
 
     def gather_blocks(self, block_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `block_ids` (any shape, flattened), `[num_kv_heads, n, block_size, head_dim]` each, in
