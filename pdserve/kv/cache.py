@@ -63,8 +63,12 @@ class KVLayout:
     block_size: int = 16
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig, block_size: int, kv_cache_dtype: str, model_dtype: torch.dtype) -> KVLayout:
-        return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, storage_dtype(kv_cache_dtype, model_dtype), block_size)
+    def for_model(
+        cls, cfg: ModelConfig, block_size: int, kv_cache_dtype: str, model_dtype: torch.dtype
+    ) -> KVLayout:
+        """The layout of `cfg`'s cache stored as `kv_cache_dtype` ("auto": `model_dtype`)."""
+        dtype = storage_dtype(kv_cache_dtype, model_dtype)
+        return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, block_size)
 
     @property
     def kv_dtype(self) -> str:
@@ -179,8 +183,9 @@ class KVCache:
         self.scales: torch.Tensor | None = None
         if lay.quantized:
             self.scales = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
+        scales = self.scales
         self.layers: list[LayerCache] = [
-            LayerCache(self.data[i, 0], self.data[i, 1], *((self.scales[i, 0], self.scales[i, 1]) if self.scales is not None else ()))
+            LayerCache(self.data[i, 0], self.data[i, 1], *((scales[i, 0], scales[i, 1]) if scales is not None else ()))
             for i in range(lay.num_layers)
         ]
         self._pinned = device.type == "cuda"
@@ -245,11 +250,11 @@ class KVCache:
         if swap_in:
             src, dst = _index(swap_in)
             for device_t, host_t in pairs:
-                staged = torch.empty(
-                    (*host_t.shape[:3], len(swap_in), *host_t.shape[4:]), dtype=host_t.dtype, pin_memory=self._pinned
-                )
+                shape = (*host_t.shape[:3], len(swap_in), *host_t.shape[4:])
+                staged = torch.empty(shape, dtype=host_t.dtype, pin_memory=self._pinned)
                 torch.index_select(host_t, 3, src, out=staged)
-                _bits(device_t).index_copy_(3, dst.to(self.device), _bits(staged.to(self.device, non_blocking=True)))
+                moved = staged.to(self.device, non_blocking=True)
+                _bits(device_t).index_copy_(3, dst.to(self.device), _bits(moved))
         if swap_out:
             src, dst = _index(swap_out)
             for device_t, host_t in pairs:
