@@ -34,11 +34,11 @@ from pdserve.transfer.registry import transport_class
 PARAMS = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
 
-def engine(role: str, backend: str | None, threads: int | None) -> LLMEngine:
+def engine(role: str, backend: str | None, threads: int | None, kv_cache_dtype: str = "auto") -> LLMEngine:
     return LLMEngine(
         EngineConfig(
             num_threads=threads,
-            cache=CacheConfig(kv_cache_memory_gb=0.5, enable_prefix_caching=False),
+            cache=CacheConfig(kv_cache_memory_gb=0.5, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_model_len=4096),
             kv_transfer=KVTransferConfig(role=role, backend=backend),
         )
@@ -82,7 +82,10 @@ def transport_only(backend: str, layout: KVLayout, n: int, repeats: int) -> floa
     """Seconds to move n tokens of every layer from one transport to another in this process."""
     cls = transport_class(backend)
     a, b = cls(layout), cls(layout)  # type: ignore[call-arg]
-    kv = torch.randn(2, layout.num_kv_heads, n, layout.head_dim).to(layout.dtype)
+    if layout.quantized:  # values and scales as the payload's bytes (kv/cache.py)
+        kv = torch.randint(0, 256, layout.chunk_shape(n), dtype=torch.uint8)
+    else:
+        kv = torch.randn(layout.chunk_shape(n)).to(layout.dtype)
     times = []
     try:
         for i in range(repeats):
@@ -115,24 +118,26 @@ def main() -> None:
     ap.add_argument("--backends", default="shm,tcp")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto | bfloat16 | int8 | fp8_e4m3")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     backends = args.backends.split(",")
 
-    colo = engine("both", None, args.num_threads)
+    colo = engine("both", None, args.num_threads, args.kv_cache_dtype)
     cfg = colo.model_config
-    layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, colo.dtype)
-    print(f"model: {colo.model_name}, {colo.dtype}, {torch.get_num_threads()} threads")
+    layout: KVLayout = colo.kv_layout
+    print(f"model: {colo.model_name}, {colo.dtype}, {torch.get_num_threads()} threads, KV {layout.describe()}")
     print(f"KV bytes per token = 2 (K,V) x {cfg.num_layers} layers x {cfg.num_kv_heads} kv heads x "
-          f"{cfg.head_dim} head_dim x {layout.dtype.itemsize} bytes = {layout.bytes_per_token:,}")
+          f"{layout.token_row_bytes} bytes per row = {layout.bytes_per_token:,}")
     rows = []
     for n in lengths:  # warm-up: first runs of a shape pay for allocation and kernel selection
         colocated_prefill(colo, prompt_of(n, 99), f"warm{n}")
     colocated_s = {n: statistics.median(colocated_prefill(colo, prompt_of(n, r), f"c{n}-{r}")
                                         for r in range(args.repeats)) for n in lengths}
     for backend in backends:
-        p, d = engine("prefill", backend, args.num_threads), engine("decode", backend, args.num_threads)
+        p = engine("prefill", backend, args.num_threads, args.kv_cache_dtype)
+        d = engine("decode", backend, args.num_threads, args.kv_cache_dtype)
         for n in lengths:
             disaggregated(p, d, prompt_of(n, 99), f"{backend}{n}warm")
             runs = [disaggregated(p, d, prompt_of(n, r), f"{backend}{n}x{r}") for r in range(args.repeats)]

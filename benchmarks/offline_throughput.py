@@ -142,6 +142,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-cache-memory-gb", type=float, default=3.0)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto | bfloat16 | int8 | fp8_e4m3")
     ap.add_argument("--phase-batches", default="1,8,32,64")
     ap.add_argument("--phase-prompt-len", type=int, default=256)
     ap.add_argument("--skip-phases", action="store_true")
@@ -154,7 +155,7 @@ def main() -> None:
 
     llm = LLM(model=args.model, dtype=args.dtype, scheduler=args.scheduler, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=args.kv_cache_memory_gb,
-              fused_cpu_ops=not args.no_fused_ops, linear_kernel=args.linear_kernel,
+              kv_cache_dtype=args.kv_cache_dtype, fused_cpu_ops=not args.no_fused_ops, linear_kernel=args.linear_kernel,
               batch_invariant=args.batch_invariant, kernel_cache_dir=args.kernel_cache_dir)
     plan = llm.engine.model.linear_plan
     print(plan.describe() if plan is not None else "bf16 linear kernels: none packed (plain F.linear)")

@@ -21,7 +21,7 @@ from pdserve.bench.datasets import sample_sharegpt
 
 def run(mode: str, args: argparse.Namespace) -> dict:
     llm = LLM(model=args.model, dtype=args.dtype, scheduler=args.scheduler, preemption_mode=mode,
-              swap_space_gb=args.swap_space, kv_cache_memory_gb=args.kv_cache_memory_gb,
+              swap_space_gb=args.swap_space, kv_cache_memory_gb=args.kv_cache_memory_gb, kv_cache_dtype=args.kv_cache_dtype,
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False)
     eng = llm.engine
     copy_time = 0.0
@@ -66,6 +66,7 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-cache-memory-gb", type=float, default=0.15)
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto | bfloat16 | int8 | fp8_e4m3")
     p.add_argument("--swap-space", type=float, default=4.0)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--out", default=None, help="write the results as JSON here")

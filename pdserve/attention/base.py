@@ -72,6 +72,11 @@ class AttentionBackend(Protocol):
         """Write k/v to the cache at meta.slot_mapping, then attend."""
         ...
 
+    def supports_kv_dtype(self, kv_dtype: str) -> bool:
+        """Whether this backend reads and writes a cache stored as `kv_dtype` ("bfloat16", "int8",
+        "fp8_e4m3", ...). The engine uses the torch reference, with a WARNING, where it says False."""
+        ...
+
     def warmup(self, cache: LayerCache, num_heads: int) -> None:
         """Compile or otherwise prepare kernels before the first request (may do nothing)."""
         ...

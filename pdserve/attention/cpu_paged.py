@@ -55,6 +55,11 @@ class CpuPagedAttention(TorchAttention):
     def __init__(self) -> None:
         self._kernel = load_kernel()
 
+    def supports_kv_dtype(self, kv_dtype: str) -> bool:
+        # Placeholder until this file's int8/fp8 kernels land: they read 16- and 32-bit caches only, and
+        # the engine runs a quantized cache on the torch reference instead.
+        return kv_dtype in ("bfloat16", "float16", "float32")
+
     def kernel_paths(self, cache: LayerCache, num_heads: int) -> tuple[str, str, str | None]:
         """(decode path, prefill path, why either is not the fast one or None) for a model's cache."""
         k_cache = cache.k

@@ -17,14 +17,25 @@ from pdserve.kv.cache import LayerCache
 
 
 def _paged_decode(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, context_lens: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [B, H, D]; caches [KVH, blocks, block_size, D]; table [B, nb]; context_lens [B] -> [B, H, D]."""
+    """q [B, H, D]; caches [KVH, blocks, block_size, D] (int8 / fp8 with scales [KVH, blocks, block_size]
+    multiplied in as they are read); table [B, nb]; context_lens [B] -> [B, H, D]."""
     b, h, d = q.shape
     kvh, _, block_size, _ = k_cache.shape
     nb = table.shape[1]
     k = k_cache[:, table].float()  # [KVH, B, nb, bs, D], fused into the loops below
     v = v_cache[:, table].float()
+    if k_scale is not None and v_scale is not None:
+        k = k * k_scale[:, table].unsqueeze(-1)
+        v = v * v_scale[:, table].unsqueeze(-1)
     qg = q.view(b, kvh, h // kvh, d).transpose(0, 1).float()  # [KVH, B, G, D]
     scores = (qg[:, :, :, None, None, :] * k[:, :, None]).sum(-1) * scale  # [KVH, B, G, nb, bs]
     pos = torch.arange(nb * block_size, device=q.device).view(nb, block_size)
@@ -46,12 +57,15 @@ class CompiledTorchAttention(TorchAttention):
         k_cache = cache.k
         kvh, num_blocks, block_size, d = k_cache.shape
         dev = k_cache.device
+        # Queries come in the model's dtype, which a quantized cache's storage dtype does not tell: bf16,
+        # the default (an fp32 model compiles its variant on its first decode).
+        dtype = torch.bfloat16 if cache.quantized else k_cache.dtype
         # A general shape, then the size-1 specialisations (one request, one block) that dynamo adds.
         for b, nb in ((3, 2), (1, 1)):
-            q = torch.zeros(b, num_heads, d, dtype=k_cache.dtype, device=dev)
+            q = torch.zeros(b, num_heads, d, dtype=dtype, device=dev)
             table = torch.zeros(b, nb, dtype=torch.int64, device=dev)
             ctx = torch.ones(b, dtype=torch.int64, device=dev)
-            self._decode(q, k_cache, k_cache, table, ctx, 1.0)
+            self._decode(q, k_cache, cache.v, table, ctx, 1.0, cache.k_scale, cache.v_scale)
 
     def decode(self, q: torch.Tensor, cache: LayerCache, g: DecodeGroup, scale: float) -> torch.Tensor:
-        return self._decode(q, cache.k, cache.v, g.block_table, g.context_lens, scale)
+        return self._decode(q, cache.k, cache.v, g.block_table, g.context_lens, scale, cache.k_scale, cache.v_scale)

@@ -4,6 +4,12 @@ Decodes: one batched SDPA over the gathered context of every decode request, pad
 with a mask. Prefills: one SDPA per request (no padding across requests); a chunk with nothing cached
 before it attends to its own fresh K/V with a causal mask, otherwise it gathers its context from the
 cache and uses a bottom-right-aligned causal mask.
+
+A quantized cache (int8, fp8) is written through `kv.cache.write` (quantized on the way in) and read
+through `LayerCache.gather_blocks` (dequantized to the model's dtype on the way out): this backend is
+the oracle the quantized kernels are checked against. Every read of a quantized cache sees the stored
+values, a prompt's own fresh K/V included (read back after the write, as vLLM's fp8 path and our
+kernels do), so prefix caching, chunking and disaggregation do not change what attention sees.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.attention.base import AttentionMetadata, DecodeGroup
-from pdserve.kv.cache import LayerCache
+from pdserve.kv.cache import LayerCache, write
 
 
 class TorchAttention:
@@ -33,26 +39,37 @@ class TorchAttention:
             self.prefill(q, k, v, cache, meta, scale, out)
         return out
 
+    def supports_kv_dtype(self, kv_dtype: str) -> bool:
+        """Whether this backend reads and writes a cache stored as `kv_dtype` (`--kv-cache-dtype` names).
+        The reference reads every dtype; a backend with kernels of its own overrides this, and the engine
+        falls back to the reference (with a WARNING) where it says False."""
+        return True
+
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, slots: torch.Tensor) -> None:
         """k, v [T, KVH, D] into the caches [KVH, blocks, block_size, D] at slots (block * block_size + offset)."""
-        kvh, _, _, d = cache.k.shape
-        cache.k.view(kvh, -1, d).index_copy_(1, slots, k.transpose(0, 1))
-        cache.v.view(kvh, -1, d).index_copy_(1, slots, v.transpose(0, 1))
+        write(cache, k, v, slots)
 
     def prefill(self, q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
         """Attention of every prefill chunk, into its rows of `out` (K/V already in the cache)."""
-        k_cache, v_cache = cache.k, cache.v
-        kvh, _, _, d = k_cache.shape
-        for p in meta.prefills:
+        kvh, _, bs, d = cache.k.shape
+        for j, p in enumerate(meta.prefills):
             s, e = p.query_start, p.query_start + p.query_len
             qp = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
-            if p.context_blocks is None:
+            if p.context_blocks is None and cache.quantized and meta.prefill_block_table is not None:
+                # Read back what was just written, as every later read does (and the kernels do): the
+                # output then does not depend on whether a prompt's start was cached or chunked.
+                blocks = meta.prefill_block_table[j, : -(-p.context_len // bs)].to(q.device)
+                kc, vc = cache.gather_blocks(blocks, q.dtype)
+                kp = kc.reshape(1, kvh, -1, d)[:, :, : p.context_len]
+                vp = vc.reshape(1, kvh, -1, d)[:, :, : p.context_len]
+                o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
+            elif p.context_blocks is None:
                 kp = k[s:e].transpose(0, 1).unsqueeze(0)
                 vp = v[s:e].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
             else:
-                kp = k_cache.index_select(1, p.context_blocks).view(1, kvh, -1, d)
-                vp = v_cache.index_select(1, p.context_blocks).view(1, kvh, -1, d)
+                kc, vc = cache.gather_blocks(p.context_blocks, q.dtype)
+                kp, vp = kc.view(1, kvh, -1, d), vc.view(1, kvh, -1, d)
                 o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=True)
             out[s:e] = o.squeeze(0).transpose(0, 1)
 
@@ -60,11 +77,10 @@ class TorchAttention:
         pass
 
     def decode(self, q: torch.Tensor, cache: LayerCache, g: DecodeGroup, scale: float) -> torch.Tensor:
-        k_cache, v_cache = cache.k, cache.v
-        kvh, _, _, d = k_cache.shape
-        table = g.block_table.reshape(-1)
-        kd = k_cache.index_select(1, table).view(kvh, g.num_seqs, -1, d)  # [KVH, B, S, D]
-        vd = v_cache.index_select(1, table).view(kvh, g.num_seqs, -1, d)
+        kvh, _, _, d = cache.k.shape
+        kb, vb = cache.gather_blocks(g.block_table.reshape(-1), q.dtype)
+        kd = kb.view(kvh, g.num_seqs, -1, d)  # [KVH, B, S, D]
+        vd = vb.view(kvh, g.num_seqs, -1, d)
         return _decode_attention(q, kd, vd, g.mask, scale)
 
 

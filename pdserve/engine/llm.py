@@ -33,6 +33,7 @@ class LLM:
         swap_space_gb: float = _default(CacheConfig, "swap_space_gb"),
         block_size: int = _default(CacheConfig, "block_size"),
         kv_cache_memory_gb: float = _default(CacheConfig, "kv_cache_memory_gb"),
+        kv_cache_dtype: str = _default(CacheConfig, "kv_cache_dtype"),
         num_blocks: int | None = None,
         enable_prefix_caching: bool = _default(CacheConfig, "enable_prefix_caching"),
         num_threads: int | None = None,
@@ -49,6 +50,7 @@ class LLM:
     ) -> None:
         """`model` is a .gguf file or a Hugging Face directory (None: the bundled SmolLM2-135M-Instruct).
         `model_config` + `weights` (+ `tokenizer`) build an engine from in-memory weights instead (tests).
+        `kv_cache_dtype`: how K/V are stored ("auto" = the model's dtype; "int8", "fp8_e4m3" quantized).
         `speculative_config`: speculative decoding in vLLM's convention (see `SpeculativeConfig`)."""
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig.from_dict(speculative_config)
@@ -70,6 +72,7 @@ class LLM:
                 kv_cache_memory_gb=kv_cache_memory_gb,
                 enable_prefix_caching=enable_prefix_caching,
                 swap_space_gb=swap_space_gb,
+                kv_cache_dtype=kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 policy=scheduler,

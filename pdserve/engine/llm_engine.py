@@ -15,15 +15,15 @@ from pdserve.config import EngineConfig, ModelConfig
 from pdserve.transfer.connector import KVConnector
 from pdserve.engine.loop import EngineLoop, StepRecord
 from pdserve.kv.block_manager import BlockManager, HostBlockPool
-from pdserve.kv.cache import KVCache, kv_block_bytes
+from pdserve.kv.cache import KVCache, KVLayout
 from pdserve.model.llama import LlamaModel
 from pdserve.runner.model_runner import ModelRunner
 from pdserve.scheduler import Scheduler, make_policy
 from pdserve.spec import SpecDecodeStats, SpeculativeExecutor
-from pdserve.transfer.base import KVLayout, KVTransport
+from pdserve.transfer.base import KVTransport
 from pdserve.transfer.registry import transport_class
 
-__all__ = ["LLMEngine", "StepRecord", "resolve_device", "resolve_dtype"]
+__all__ = ["LLMEngine", "StepRecord", "make_attention", "resolve_device", "resolve_dtype"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,32 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype not in table:
         raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(table)}")
     return table[dtype]
+
+
+def make_attention(name: str, dtype: torch.dtype, device: torch.device, kv_dtype: str) -> AttentionBackend:
+    """The attention backend `name` ("auto": the fastest that works here) for a model in `dtype` over a
+    cache stored as `kv_dtype`; the torch reference, with a WARNING, where the chosen one cannot read it."""
+    attn = _pick_attention(name, dtype, device)
+    if not attn.supports_kv_dtype(kv_dtype):
+        logger.warning(
+            "attention %s cannot read a KV cache stored as %s; using the torch reference backend instead",
+            attn.name, kv_dtype,
+        )
+        attn = get_attention_backend("torch")
+    return attn
+
+
+def _pick_attention(name: str, dtype: torch.dtype, device: torch.device) -> AttentionBackend:
+    if name != "auto":
+        return get_attention_backend(name)
+    if dtype == torch.float32:
+        return get_attention_backend("torch")  # the reference: what the fp32 correctness tests use
+    if device.type == "cpu":
+        try:
+            return get_attention_backend("cpu-paged")
+        except Exception as e:  # no compiler, or it failed: the compiled torch backend still works
+            logger.warning("C++ paged decode kernel unavailable (%s); using torch-compiled", e)
+    return get_attention_backend("torch-compiled")
 
 
 class LLMEngine(EngineLoop):
@@ -90,21 +116,23 @@ class LLMEngine(EngineLoop):
         sc = config.scheduler
         self.max_model_len = min(sc.max_model_len, model_config.max_position_embeddings)
         cc = config.cache
-        num_blocks = cc.num_blocks or max(
-            1, int(cc.kv_cache_memory_gb * (1 << 30)) // kv_block_bytes(model_config, cc.block_size, self.dtype)
-        )
+        # kv/cache.py owns the layout; a quantized dtype's blocks are smaller (scales included), so the
+        # same memory holds more of them.
+        self.kv_layout = KVLayout.for_model(model_config, cc.block_size, cc.kv_cache_dtype, self.dtype)
+        block_bytes = self.kv_layout.block_bytes
+        num_blocks = cc.num_blocks or max(1, int(cc.kv_cache_memory_gb * (1 << 30)) // block_bytes)
         # A sequence can never outgrow the whole KV cache (it would preempt itself forever): cap it there.
         self.max_model_len = min(self.max_model_len, num_blocks * cc.block_size)
         num_host_blocks = 0
         if sc.preemption_mode == "swap":
-            num_host_blocks = int(cc.swap_space_gb * (1 << 30)) // kv_block_bytes(model_config, cc.block_size, self.dtype)
+            num_host_blocks = int(cc.swap_space_gb * (1 << 30)) // block_bytes
             if num_host_blocks < 1:
                 raise ValueError('preemption_mode "swap" needs swap_space_gb large enough for one KV block')
-        self.kv_cache = KVCache(model_config, num_blocks, cc.block_size, self.dtype, self.device, num_host_blocks)
+        self.kv_cache = KVCache(self.kv_layout, num_blocks, self.device, num_host_blocks)
         block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         host_pool = HostBlockPool(num_host_blocks) if num_host_blocks else None
         scheduler = Scheduler(sc, block_manager, make_policy(sc.policy, sc), host_pool)
-        attn = self._make_attention(config.attention_backend)
+        attn = self._make_attention(config.attention_backend, self.kv_layout.kv_dtype)
         attn.warmup(self.kv_cache.layers[0], model_config.num_heads)
         self.runner = ModelRunner(self.model, self.kv_cache, attn, self.device, config.seed)
         eos = set(model_config.eos_token_ids)
@@ -126,10 +154,11 @@ class LLMEngine(EngineLoop):
             self.spec_executor = SpeculativeExecutor(self.executor, config.speculative)
             self.executor = self.spec_executor
         logger.info(
-            "engine ready in %.1fs: %s, %s on %s, %d KV blocks x %d tokens (%.2f GiB), %d host blocks, "
-            "policy %s, preemption %s, attention %s",
-            time.perf_counter() - t0, self.model_name, self.dtype, self.device, num_blocks, cc.block_size,
-            self.kv_cache.nbytes / (1 << 30), num_host_blocks, sc.policy, sc.preemption_mode, attn.name,
+            "engine ready in %.1fs: %s, %s on %s, KV cache %s: %d blocks x %d tokens (%d bytes, %.2f GiB), "
+            "%d host blocks, policy %s, preemption %s, attention %s",
+            time.perf_counter() - t0, self.model_name, self.dtype, self.device, self.kv_layout.kv_dtype,
+            num_blocks, cc.block_size, self.kv_cache.nbytes, self.kv_cache.nbytes / (1 << 30), num_host_blocks,
+            sc.policy, sc.preemption_mode, attn.name,
         )
 
     @property
@@ -146,26 +175,15 @@ class LLMEngine(EngineLoop):
     def runner(self, runner: ModelRunner) -> None:
         self.executor = runner
 
-    def _make_attention(self, name: str) -> AttentionBackend:
-        if name != "auto":
-            return get_attention_backend(name)
-        if self.dtype == torch.float32:
-            return get_attention_backend("torch")  # the reference: what the fp32 correctness tests use
-        if self.device.type == "cpu":
-            try:
-                return get_attention_backend("cpu-paged")
-            except Exception as e:  # no compiler, or it failed: the compiled torch backend still works
-                logger.warning("C++ paged decode kernel unavailable (%s); using torch-compiled", e)
-        return get_attention_backend("torch-compiled")
+    def _make_attention(self, name: str, kv_dtype: str) -> AttentionBackend:
+        return make_attention(name, self.dtype, self.device, kv_dtype)
 
     def _make_connector(self, transport: KVTransport | None) -> KVConnector | None:
         kc = self.config.kv_transfer
         if transport is None and kc.backend is None:
             return None
         if transport is None:
-            layout = KVLayout(
-                self.model_config.num_layers, self.model_config.num_kv_heads, self.model_config.head_dim, self.dtype
-            )
+            layout = self.kv_layout
             cls = transport_class(kc.backend)  # type: ignore[arg-type]
             if kc.backend == "tcp":
                 transport = cls(layout, host=kc.host, port=kc.port)  # type: ignore[call-arg]

@@ -105,6 +105,7 @@ class Server:
     async def _start_engine(self, tokenizer: object | None) -> None:
         try:
             self.ready = await self.client.start(tokenizer)
+            self.metrics.observe_kv_cache(self.ready.num_kv_tokens // self.ready.block_size)
         except BaseException:
             await self.client.shutdown()
             raise

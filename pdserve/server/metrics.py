@@ -135,6 +135,9 @@ class ServerMetrics:
         self.num_running = gauge("pdserve:num_requests_running", "Requests in the engine's running set.")
         self.num_waiting = gauge("pdserve:num_requests_waiting", "Requests in the engine's waiting queue.")
         self.kv_usage = gauge("pdserve:kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0-1).")
+        self.kv_num_blocks = gauge(
+            "pdserve:kv_cache_num_blocks", "KV-cache blocks the engine holds (more for a quantized --kv-cache-dtype)."
+        )
         self.prompt_tokens = counter("pdserve:prompt_tokens", "Prompt tokens of requests that started.")
         self.generation_tokens = counter("pdserve:generation_tokens", "Output tokens delivered.")
         self.preemptions = counter("pdserve:preemptions", "Requests preempted by the scheduler.")
@@ -227,6 +230,10 @@ class ServerMetrics:
         # KV transfers by direction ("send", "receive"): counts by outcome, and bytes and seconds of the
         # ok ones; in /load, so that the router can show every instance's figures.
         self.transfer_totals: dict[str, dict[str, float]] = {}
+
+    def observe_kv_cache(self, num_blocks: int) -> None:
+        """Once per engine start: the KV cache's size in blocks (fixed while the engine runs)."""
+        self.kv_num_blocks.set(num_blocks)
 
     def observe_engine(self, stats: EngineStats, step: StepStats | None) -> None:
         last = self.engine

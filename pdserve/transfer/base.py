@@ -1,9 +1,13 @@
 """Moving KV between instances: the transport interface, its states and its registry.
 
 A transport moves *chunks*: the K and V of one layer for a run of consecutive token positions of one
-request, as a tensor `[2, num_kv_heads, num_tokens, head_dim]`. It never sees blocks: packing chunks out of
-the paged cache and into it is the connector's job (`pdserve/transfer/connector.py`), so a backend is only
-about bytes on a path.
+request, as one tensor of `KVLayout.chunk_shape(num_tokens)` (`[2, num_kv_heads, num_tokens, head_dim]` in
+the cache's storage dtype; for int8/fp8 each row carries its scale's bytes too, as uint8). It never sees
+blocks or scales: packing chunks out of the paged cache and into it is `KVCache.gather_tokens` /
+`scatter_tokens`, called by the connector (`pdserve/transfer/connector.py`), so a backend is only about
+bytes on a path. Both ends must have the same `KVLayout` (kv dtype, block size, heads, head_dim, layers):
+every chunk header names the sender's (`KVLayout.key()`) and a receiver refuses a chunk of another, before
+anything reaches its cache; `inproc` refuses at `open_send` already.
 
 One transfer, seen from both ends (`transfer_id` names it on both):
 
@@ -27,7 +31,13 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.kv.cache import KVLayout
 from pdserve.transfer.wire import DroppedMessages
+
+__all__ = [
+    "KVAck", "KVChunk", "KVDone", "KVFailed", "KVLayout", "KVLayoutMismatch", "KVTransport", "TransferError",
+    "TransferState", "layout_mismatch",
+]
 
 
 class TransferState(enum.Enum):
@@ -37,27 +47,12 @@ class TransferState(enum.Enum):
     FAILED = "failed"  # timed out, cancelled, refused or lost: both sides free their blocks
 
 
-@dataclass(frozen=True, slots=True)
-class KVLayout:
-    """What both ends must agree on to interpret a chunk."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-    @property
-    def bytes_per_token(self) -> int:
-        """K and V of every layer for one token."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
-
-
 @dataclass(slots=True)
 class KVChunk:
     transfer_id: str
     layer: int
     start: int  # position of the first token in the request
-    kv: torch.Tensor  # [2, num_kv_heads, n, head_dim]; valid until the next poll_received()
+    kv: torch.Tensor  # KVLayout.chunk_shape(n); valid until the next poll_received()
 
 
 @dataclass(slots=True)
@@ -86,6 +81,18 @@ class KVAck:
 
 class TransferError(Exception):
     """A transport cannot start or continue a transfer (peer unknown, buffer gone, bad frame)."""
+
+
+class KVLayoutMismatch(TransferError):
+    """The two ends store KV differently (kv dtype, block size, heads, head_dim or layers): they must not
+    pair, since the receiver would misread every byte."""
+
+
+def layout_mismatch(sender: str, receiver: str) -> str | None:
+    """The error for a chunk of layout key `sender` arriving at a receiver of `receiver`, or None if equal."""
+    if sender == receiver:
+        return None
+    return f"KV layout mismatch: the sender's cache is {sender or 'unspecified'}, the receiver's {receiver}"
 
 
 class KVTransport(ABC):

@@ -112,8 +112,12 @@ class KVConnector:
         self.ack_timeout_s = ack_timeout_s
         self.lease_s = lease_s
         self.clock = clock
-        d = kv_cache.data  # [layers, 2, kv_heads, blocks, block_size, head_dim]
-        self._layers = [d[i].view(2, d.shape[2], -1, d.shape[5]) for i in range(d.shape[0])]  # slot-indexed
+        self.num_layers = kv_cache.layout.num_layers
+        if transport.layout != kv_cache.layout:
+            raise ValueError(
+                f"the KV transport's layout ({transport.layout.describe()}) is not the cache's "
+                f"({kv_cache.layout.describe()})"
+            )
         self._sends: dict[str, _Send] = {}  # by req_id
         self._receives: dict[str, _Receive] = {}  # by req_id
         self._by_transfer: dict[str, str] = {}  # transfer_id -> req_id, both directions
@@ -137,7 +141,7 @@ class KVConnector:
     def _slots(self, req: Request, start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end)
         table = torch.tensor(req.block_ids[: -(-end // self.block_size)], dtype=torch.int64)
-        return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.kv_cache.data.device)
+        return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.kv_cache.device)
 
     # ---- prefill side --------------------------------------------------------------------------
     def start_send(self, req: Request, spec: RemoteDecode) -> None:
@@ -166,11 +170,11 @@ class KVConnector:
         if not plan:
             return None
         transport = self.transport
-        layers = self._layers
+        cache = self.kv_cache
 
         def after_layer(layer: int) -> None:
             for send, start, slots in plan:
-                kv = layers[layer].index_select(2, slots)
+                kv = cache.gather_tokens(layer, slots)  # values and, for int8/fp8, their scales
                 transport.send_chunk(send.transfer_id, layer, start, kv)
                 send.num_bytes += kv.numel() * kv.element_size()
 
@@ -195,7 +199,7 @@ class KVConnector:
         self.transport.open_receive(spec.transfer_id, start, end)
         now = self.clock()
         self._receives[req.req_id] = _Receive(
-            req, spec.transfer_id, start, end, now + self.lease_s, now, num_received=[0] * len(self._layers)
+            req, spec.transfer_id, start, end, now + self.lease_s, now, num_received=[0] * self.num_layers
         )
         self._by_transfer[spec.transfer_id] = req.req_id
 
@@ -207,7 +211,10 @@ class KVConnector:
         slots = rec.slots.get(key)
         if slots is None:
             slots = rec.slots[key] = self._slots(rec.req, chunk.start, chunk.start + n)
-        self._layers[chunk.layer].index_copy_(2, slots, chunk.kv.to(self.kv_cache.data.device))
+        try:  # a payload of another shape or dtype is refused whole, before anything is written
+            self.kv_cache.scatter_tokens(chunk.layer, slots, chunk.kv)
+        except ValueError as e:
+            return str(e)
         rec.num_received[chunk.layer] += n
         rec.num_bytes += chunk.kv.numel() * chunk.kv.element_size()
         rec.state = TransferState.TRANSFERRING

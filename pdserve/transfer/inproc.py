@@ -7,7 +7,9 @@ import itertools
 
 import torch
 
-from pdserve.transfer.base import KVAck, KVChunk, KVDone, KVFailed, KVLayout, KVTransport, TransferError
+from pdserve.transfer.base import (
+    KVAck, KVChunk, KVDone, KVFailed, KVLayout, KVLayoutMismatch, KVTransport, TransferError, layout_mismatch,
+)
 
 
 class InprocHub:
@@ -36,8 +38,12 @@ class InprocTransport(KVTransport):
 
     # ---- prefill side --------------------------------------------------------------------------
     def open_send(self, transfer_id: str, dest: str, start: int, end: int) -> None:
-        if dest not in self.hub.transports:
+        peer = self.hub.transports.get(dest)
+        if peer is None:
             raise TransferError(f"no inproc KV receiver at {dest!r}")
+        mismatch = layout_mismatch(self.layout.key(), peer.layout.key())
+        if mismatch is not None:  # the receiver is in reach: refuse before anything is held or sent
+            raise KVLayoutMismatch(mismatch)
         self._dest[transfer_id] = dest
 
     def send_chunk(self, transfer_id: str, layer: int, start: int, kv: torch.Tensor) -> None:

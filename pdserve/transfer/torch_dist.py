@@ -200,7 +200,7 @@ class TorchDistTransport(_ZmqTransport):
     def _chunk_tensor(self, rec: _In, layer: int, start: int, n: int, payload: list[zmq.Frame]) -> torch.Tensor:
         """Where the chunk's receive will write (posted once the group is up)."""
         lay = self.layout
-        return torch.empty(2, lay.num_kv_heads, n, lay.head_dim, dtype=lay.dtype, device=self.device)
+        return torch.empty(lay.chunk_shape(n), dtype=lay.chunk_dtype, device=self.device)
 
     def _ready_arrivals(self) -> list[KVChunk | KVDone | KVFailed]:
         """Post receives where the group is up, then hand out the arrivals whose data is in, in order."""

@@ -29,7 +29,8 @@ MAX_WIRE_LOGPROBS = 64  # entries of the first token's logprobs dict (the server
 
 class ChunkHeader(msgspec.Struct, tag="chunk", array_like=True, frozen=True):
     """One layer's K/V for tokens [start, start + num_tokens): its data follows (tcp), sits in the shared
-    buffer (shm) or arrives through the process group under `tag` (torch.distributed)."""
+    buffer (shm) or arrives through the process group under `tag` (torch.distributed). `layout` names the
+    sender's cache layout; a receiver with another refuses the chunk (the handshake of transfer/base.py)."""
 
     transfer_id: TransferId
     layer: Count
@@ -38,6 +39,7 @@ class ChunkHeader(msgspec.Struct, tag="chunk", array_like=True, frozen=True):
     crc: Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)] | None = None
     tag: Count | None = None
     mac: Mac | None = None
+    layout: Annotated[str, msgspec.Meta(max_length=128)] | None = None  # the sender's KVLayout.key()
 
 
 class DoneHeader(msgspec.Struct, tag="done", array_like=True, frozen=True):

@@ -9,7 +9,7 @@ only queue, and the prefill forward goes on with the next layer while a chunk tr
 Data path:
 - `tcp`: the chunk's bytes follow its header in the same message, with a CRC32 the receiver checks.
 - `shm`: the receiver creates one buffer per transfer, a file in /dev/shm laid out
-  `[num_layers, 2, kv_heads, tokens, head_dim]` and mapped by both processes; the sender copies each
+  `[num_layers, *KVLayout.chunk_shape(tokens)]` and mapped by both processes; the sender copies each
   chunk straight into it and sends only the header. Nothing is pickled; the only copies are cache ->
   buffer on the prefill side and buffer -> cache on the decode side. Buffers are named after the
   receiver (its pid), so one that a killed receiver left behind is removed by the next one to start.
@@ -33,7 +33,9 @@ import msgspec
 import torch
 import zmq
 
-from pdserve.transfer.base import KVAck, KVChunk, KVDone, KVFailed, KVLayout, KVTransport, TransferError
+from pdserve.transfer.base import (
+    KVAck, KVChunk, KVDone, KVFailed, KVLayout, KVLayoutMismatch, KVTransport, TransferError, layout_mismatch,
+)
 from pdserve.transfer.wire import AckHeader, ChunkHeader, DoneHeader, Header, HelloHeader, Signer, ToReceiver
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -145,7 +147,7 @@ class _ZmqTransport(KVTransport):
         if out is None:
             return  # failed or cancelled while the step ran
         extra, frames = self._chunk_data(out, layer, start, kv)
-        header = ChunkHeader(transfer_id, layer, start, kv.shape[2], *extra)
+        header = ChunkHeader(transfer_id, layer, start, kv.shape[2], *extra, layout=self.layout.key())
         if self._signer is not None:
             header = self._signed(header, self._mac_data(kv))
         self._send(out, transfer_id, [_encode(header), *frames])
@@ -264,6 +266,9 @@ class _ZmqTransport(KVTransport):
             header.transfer_id, header.layer, header.start, header.num_tokens, header.crc
         )
         lay = self.layout
+        mismatch = layout_mismatch(header.layout or "", lay.key())
+        if mismatch is not None:  # before the data is touched: nothing of another layout reaches the cache
+            return KVFailed(transfer_id, mismatch)
         if not (0 <= layer < lay.num_layers and rec.start <= start and start + n <= rec.end and n > 0):
             return KVFailed(transfer_id, f"chunk out of range: layer {layer}, tokens [{start}, {start + n})")
         try:
@@ -348,7 +353,7 @@ class TcpTransport(_ZmqTransport):
         lay = self.layout
         if len(payload) != 1:
             raise ValueError("a chunk needs exactly one data frame")
-        return bytes_tensor(payload[0].buffer, lay.dtype, (2, lay.num_kv_heads, n, lay.head_dim))
+        return bytes_tensor(payload[0].buffer, lay.chunk_dtype, lay.chunk_shape(n))
 
 
 _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
@@ -372,13 +377,16 @@ class ShmTransport(_ZmqTransport):
         return os.path.join(_SHM_DIR, f"{stem}-{transfer_id}")
 
     def _shape(self, num_tokens: int) -> tuple[int, ...]:
-        lay = self.layout
-        return (lay.num_layers, 2, lay.num_kv_heads, num_tokens, lay.head_dim)
+        return (self.layout.num_layers, *self.layout.chunk_shape(num_tokens))
 
     def _open_send_data(self, out: _Out, transfer_id: str) -> None:
         path = self._buffer_path(out.dest, transfer_id)
         try:
-            out.buffer = _map(path, self._shape(out.end - out.start), self.layout.dtype, create=False)
+            out.buffer = _map(path, self._shape(out.end - out.start), self.layout.chunk_dtype, create=False)
+        except _SizeMismatch as e:  # the receiver sized it for its own layout
+            raise KVLayoutMismatch(
+                f"KV layout mismatch: the receiver's buffer ({e}) does not fit this instance's {self.layout.key()}"
+            ) from None
         except OSError as e:
             raise TransferError(f"the receiver's KV buffer is not there ({e})") from None
 
@@ -390,7 +398,7 @@ class ShmTransport(_ZmqTransport):
 
     def _open_receive_data(self, rec: _In, transfer_id: str) -> None:
         rec.path = self._buffer_path(self.address, transfer_id)
-        rec.buffer = _map(rec.path, self._shape(rec.end - rec.start), self.layout.dtype, create=True)
+        rec.buffer = _map(rec.path, self._shape(rec.end - rec.start), self.layout.chunk_dtype, create=True)
 
     def _chunk_tensor(self, rec: _In, layer: int, start: int, n: int, payload: list[zmq.Frame]) -> torch.Tensor:
         assert rec.buffer is not None
@@ -416,6 +424,10 @@ class ShmTransport(_ZmqTransport):
             os.unlink(os.path.join(tempfile.gettempdir(), f"{self._stem}.sock"))
 
 
+class _SizeMismatch(OSError):
+    """A receiver's shm buffer of another size than the sender's layout needs for the same tokens."""
+
+
 def _map(path: str, shape: tuple[int, ...], dtype: torch.dtype, create: bool) -> torch.Tensor:
     """A tensor over a file mapped shared (the mapping outlives the file's name)."""
     nbytes = dtype.itemsize
@@ -426,7 +438,7 @@ def _map(path: str, shape: tuple[int, ...], dtype: torch.dtype, create: bool) ->
         if create:
             os.ftruncate(fd, nbytes)
         elif os.fstat(fd).st_size != nbytes:
-            raise OSError(f"{path} has {os.fstat(fd).st_size} bytes, expected {nbytes}")
+            raise _SizeMismatch(f"{os.fstat(fd).st_size} bytes, expected {nbytes}")
         mm = mmap.mmap(fd, nbytes)
     finally:
         os.close(fd)

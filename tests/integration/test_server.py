@@ -568,6 +568,7 @@ def test_metrics_present_and_moving(url, client):
         "pdserve:num_requests_running",
         "pdserve:num_requests_waiting",
         "pdserve:kv_cache_usage_ratio",
+        "pdserve:kv_cache_num_blocks",
         "pdserve:prompt_tokens_total",
         "pdserve:generation_tokens_total",
         "pdserve:preemptions_total",
@@ -576,6 +577,7 @@ def test_metrics_present_and_moving(url, client):
     ):
         assert f"\n{name}" in text, name
     before = scrape(url)
+    assert before["pdserve:kv_cache_num_blocks"] > 0
     resp = client.completions.create(
         model=MODEL, prompt=PROMPTS[0], max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
     )

@@ -19,32 +19,35 @@ from pdserve.transfer.inproc import InprocHub, InprocTransport
 from tests.support.tiny import TINY, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-LAYOUT = KVLayout(TINY.num_layers, TINY.num_kv_heads, TINY.head_dim, torch.float32)
+LAYOUT = KVLayout(TINY.num_layers, TINY.num_kv_heads, TINY.head_dim, torch.float32, block_size=4)
 
 
-def make_engine(weights, role: str, transport=None, *, lease_s: float = 120.0, ack_timeout_s: float = 10.0, **sched):
+def make_engine(
+    weights, role: str, transport=None, *, lease_s: float = 120.0, ack_timeout_s: float = 10.0,
+    kv_cache_dtype: str = "auto", **sched,
+):
     kv = KVTransferConfig(
         role=role, backend=None if role == "both" else "inproc", lease_s=lease_s, ack_timeout_s=ack_timeout_s
     )
     cfg = EngineConfig(
         dtype="float32",
         device="cpu",
-        cache=CacheConfig(num_blocks=256, block_size=4),
+        cache=CacheConfig(num_blocks=256, block_size=4, kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(**sched),
         kv_transfer=kv,
     )
     return LLMEngine(cfg, model_config=TINY, weights=weights, kv_transport=transport)
 
 
-def make_transport(backend: str, hub: InprocHub):
+def make_transport(backend: str, hub: InprocHub, layout: KVLayout = LAYOUT):
     if backend == "inproc":
-        return InprocTransport(LAYOUT, hub)
+        return InprocTransport(layout, hub)
     from pdserve.transfer.torch_dist import TorchDistTransport
     from pdserve.transfer.zmq_transport import ShmTransport, TcpTransport
 
     if backend == "torch.distributed":
-        return TorchDistTransport(LAYOUT)
-    return ShmTransport(LAYOUT, verify=True) if backend == "shm" else TcpTransport(LAYOUT)
+        return TorchDistTransport(layout)
+    return ShmTransport(layout, verify=True) if backend == "shm" else TcpTransport(layout)
 
 
 @pytest.fixture
@@ -54,14 +57,20 @@ def pair(tiny_weights):
 
     def make(backend: str = "inproc", p_opts: dict | None = None, d_opts: dict | None = None):
         hub = InprocHub()
-        p = make_engine(tiny_weights, "prefill", make_transport(backend, hub), **(p_opts or {}))
-        d = make_engine(tiny_weights, "decode", make_transport(backend, hub), **(d_opts or {}))
+        p_opts, d_opts = p_opts or {}, d_opts or {}
+        p = make_engine(tiny_weights, "prefill", make_transport(backend, hub, _layout(p_opts)), **p_opts)
+        d = make_engine(tiny_weights, "decode", make_transport(backend, hub, _layout(d_opts)), **d_opts)
         made.extend([p, d])
         return p, d
 
     yield make
     for e in made:
         e.close()
+
+
+def _layout(opts: dict) -> KVLayout:
+    """The layout of a test engine built with `opts` (its transport must have the same)."""
+    return KVLayout.for_model(TINY, 4, opts.get("kv_cache_dtype", "auto"), torch.float32)
 
 
 def colocated(weights, prompts, params=GREEDY, **sched) -> list[list[int]]:
@@ -262,4 +271,67 @@ def test_a_failed_step_still_reports_finished_transfers(pair, prompts):
     assert outs["p0"].finished and outs["p0"].outputs[0].finish_reason == "length"
     assert outs["other"].outputs[0].finish_reason == "error"
     _run(d)
+    assert_no_leaks(p, d)
+
+
+@pytest.mark.parametrize("backend", ["inproc", "shm", "tcp"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+def test_quantized_kv_moves_in_its_stored_dtype(pair, tiny_weights, prompts, backend, kv_dtype):
+    """KV travels as stored (values and their scales, bit for bit): disaggregated output equals colocated
+    output with the same quantized cache, and each token costs the quantized layout's bytes."""
+    opts = {"kv_cache_dtype": kv_dtype}
+    p, d = pair(backend, opts, opts)
+    outs = generate_disaggregated(p, d, prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == colocated(tiny_weights, prompts, kv_cache_dtype=kv_dtype)
+    assert_no_leaks(p, d)
+    records = [r for r in p.connector.take_records() if r.ok]  # type: ignore[union-attr]
+    layout = _layout(opts)
+    assert all(r.num_bytes == r.num_tokens * layout.bytes_per_token for r in records)
+    assert layout.bytes_per_token * 64 == LAYOUT.bytes_per_token * 20  # rows of 16 + 4 bytes, not 16 x 4
+
+
+def test_inproc_refuses_to_pair_different_layouts(pair, prompts):
+    """A prefill instance with an int8 cache cannot send to a decode instance with a float32 one: the
+    send is refused at open with a typed error, and nothing is held on either side."""
+    p, d = pair(p_opts={"kv_cache_dtype": "int8"})
+    d.add_request(prompts[0], GREEDY, req_id="d0", kv_transfer=RemotePrefill("t0"))
+    d.step()
+    ((rid, skip),) = d.take_kv_reservations()
+    with pytest.raises(InvalidRequestError, match="KV layout mismatch: the sender's cache is int8/.*float32/"):
+        p.add_request(prompts[0], GREEDY, kv_transfer=RemoteDecode("t0", d.connector.address, skip))  # type: ignore[union-attr]
+    d.abort_request(rid)
+    d.step()
+    assert_no_leaks(p, d)
+
+
+@pytest.mark.parametrize("backend", ["shm", "tcp", "torch.distributed"])
+def test_receiver_refuses_chunks_of_another_layout(pair, prompts, backend):
+    """Over a socket the layout travels in every chunk header: a decode instance refuses the first chunk
+    of another layout before it touches its cache, and the request fails cleanly on both sides. (int8
+    and fp8 payloads have the same shape and dtype: only the layout key tells them apart.)"""
+    p, d = pair(backend, {"kv_cache_dtype": "int8"}, {"kv_cache_dtype": "fp8_e4m3"})
+    before = d.kv_cache.data.clone()
+    outs = generate_disaggregated(p, d, prompts[:2], GREEDY)
+    assert all(o.error is not None for o in outs)
+    assert any("KV layout mismatch" in (o.error or "") for o in outs)
+    assert torch.equal(d.kv_cache.data.view(torch.uint8), before.view(torch.uint8))
+    assert_no_leaks(p, d)
+
+
+def test_connector_refuses_a_transport_of_another_layout(tiny_weights):
+    with pytest.raises(ValueError, match="not the cache's"):
+        make_engine(tiny_weights, "decode", InprocTransport(LAYOUT, InprocHub()), kv_cache_dtype="int8")
+
+
+def test_shm_sender_refuses_a_buffer_of_another_layout(pair, prompts):
+    """shm: the decode side sizes each transfer's buffer for its own layout; a sender whose layout needs
+    other sizes refuses it at open (int8 rows of 16 + 4 bytes against float32 rows of 64)."""
+    p, d = pair("shm", {"kv_cache_dtype": "int8"}, {})
+    d.add_request(prompts[0], GREEDY, req_id="d0", kv_transfer=RemotePrefill("t0"))
+    d.step()
+    ((rid, skip),) = d.take_kv_reservations()
+    with pytest.raises(InvalidRequestError, match="KV layout mismatch: the receiver's buffer"):
+        p.add_request(prompts[0], GREEDY, kv_transfer=RemoteDecode("t0", d.connector.address, skip))  # type: ignore[union-attr]
+    d.abort_request(rid)
+    d.step()
     assert_no_leaks(p, d)

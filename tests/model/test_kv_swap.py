@@ -5,13 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kv.cache import KVCache
+from pdserve.kv.cache import KVCache, KVLayout
 from tests.support.tiny import TINY
+
+
+def _layout(block_size: int, dtype: torch.dtype) -> KVLayout:
+    return KVLayout(TINY.num_layers, TINY.num_kv_heads, TINY.head_dim, dtype, block_size)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_swap_out_and_back_is_exact(dtype):
-    cache = KVCache(TINY, num_blocks=8, block_size=4, dtype=dtype, device=torch.device("cpu"), num_host_blocks=6)
+    cache = KVCache(_layout(4, dtype), num_blocks=8, device=torch.device("cpu"), num_host_blocks=6)
     cache.data.copy_(torch.randn(cache.data.shape))
     before = cache.data.clone()
     cache.swap([], [(2, 5), (7, 0)])  # device 2 -> host 5, device 7 -> host 0
@@ -26,7 +30,7 @@ def test_swap_out_and_back_is_exact(dtype):
 def test_swap_in_runs_before_swap_out():
     """A host block a swap-in reads may be refilled by a swap-out of the same step, and a device block
     a swap-in fills may be swapped straight out again: the swap-in must come first."""
-    cache = KVCache(TINY, num_blocks=4, block_size=2, dtype=torch.float32, device=torch.device("cpu"), num_host_blocks=2)
+    cache = KVCache(_layout(2, torch.float32), num_blocks=4, device=torch.device("cpu"), num_host_blocks=2)
     cache.data.copy_(torch.randn(cache.data.shape))
     assert cache.host is not None
     cache.host.copy_(torch.randn(cache.host.shape))
@@ -38,7 +42,7 @@ def test_swap_in_runs_before_swap_out():
 
 
 def test_no_host_tier_without_swap():
-    cache = KVCache(TINY, num_blocks=4, block_size=2, dtype=torch.float32, device=torch.device("cpu"))
+    cache = KVCache(_layout(2, torch.float32), num_blocks=4, device=torch.device("cpu"))
     assert cache.host is None
     cache.swap([], [])  # nothing to do is fine
     with pytest.raises(AssertionError, match="host tier"):

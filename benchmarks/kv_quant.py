@@ -1,0 +1,157 @@
+"""Decode TPOT against context length for each KV-cache dtype, side by side in one run.
+
+    .venv/bin/python benchmarks/kv_quant.py [--contexts 256,1024,2048,4096,8192] [--batches 1,16,64]
+        [--kv-dtypes bfloat16,int8,fp8_e4m3] [--steps 8] [--max-kv-gb 8] [--json results/kv_quant.json]
+
+The real model (bundled SmolLM2-135M by default, bf16) is loaded once. For each kv dtype the script builds
+a KV cache of that dtype and a `ModelRunner` over the same model (attention chosen as the engine chooses
+it: `--attention-backend auto` falls back to the torch reference where a backend cannot read the dtype,
+and the table says which ran), fills the cache with synthetic K/V (random values and scales, every page
+touched: a never-written page would be read from the kernel's zero page and look infinitely fast), and
+times decode steps through `ModelRunner.execute`: `batch` sequences of `context` tokens each, every one
+in blocks of its own, one new token per sequence per step. What a step costs is weight streaming
+(independent of the kv dtype) plus reading the batch's KV, which int8/fp8 halves.
+
+A (batch, context) point whose cache would exceed `--max-kv-gb` in some dtype is skipped in that dtype
+(bf16 at 64 x 8k needs ~12 GB for SmolLM2, int8 ~6 GB: that is the capacity gain). Prints ms per step
+(TPOT) per dtype and the speedup over the first dtype; writes JSON with `--json`. On a busy machine the
+figures mean nothing: run on a quiet one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pdserve import LLM
+from pdserve.batch import Batch, BatchRequest
+from pdserve.engine.llm_engine import make_attention
+from pdserve.kv.cache import KVCache, KVLayout
+from pdserve.request import SamplingParams
+from pdserve.runner.model_runner import ModelRunner
+
+GREEDY = SamplingParams(temperature=0, max_tokens=1 << 20, ignore_eos=True)
+
+
+@dataclass(slots=True)
+class DecodeStep:
+    """What `ModelRunner.execute` reads from a scheduler output: the step as a `Batch`."""
+
+    batch: Batch
+
+    def to_batch(self) -> Batch:
+        return self.batch
+
+
+def decode_steps(batch: int, context: int, steps: int, block_size: int) -> list[DecodeStep]:
+    """`steps` consecutive decode steps of `batch` sequences that each hold `context` tokens, in blocks
+    of their own (sequence i owns blocks [i * per_seq, (i + 1) * per_seq))."""
+    per_seq = -(-(context + steps) // block_size)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+    return [
+        DecodeStep(Batch([BatchRequest(f"r{i}", [100 + i], context + s, tables[i], True, 0, GREEDY)
+                          for i in range(batch)], batch))
+        for s in range(steps)
+    ]
+
+
+def fill_synthetic(cache: KVCache) -> None:
+    """Random K/V (and scales) in every page, layer by layer (no full-size temporary)."""
+    g = torch.Generator().manual_seed(0)
+    for layer in range(cache.data.shape[0]):
+        d = cache.data[layer]
+        if d.dtype == torch.int8:
+            d.random_(-127, 128, generator=g)
+        elif d.dtype == torch.float8_e4m3fn:
+            d.view(torch.uint8).random_(0, 0x70, generator=g)  # finite positive e4m3 patterns only
+        else:
+            d.normal_(0, 1, generator=g)
+        if cache.scales is not None:
+            cache.scales[layer].uniform_(0.001, 0.02, generator=g)
+
+
+def time_point(runner: ModelRunner, batch: int, context: int, steps: int, block_size: int) -> float:
+    """Median seconds per decode step (after one warm-up step of the shape)."""
+    plan = decode_steps(batch, context, steps + 1, block_size)
+    runner.execute(plan[0])  # type: ignore[arg-type]
+    times = []
+    for step in plan[1:]:
+        t0 = time.perf_counter()
+        runner.execute(step)  # type: ignore[arg-type]
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="a .gguf or HF directory (default: the bundled SmolLM2)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--contexts", default="256,1024,2048,4096,8192")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--kv-dtypes", default="bfloat16,int8,fp8_e4m3")
+    ap.add_argument("--steps", type=int, default=8, help="decode steps timed per point (median)")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--max-kv-gb", type=float, default=8.0, help="skip points whose cache would be larger")
+    ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args()
+    contexts = [int(x) for x in args.contexts.split(",")]
+    batches = [int(x) for x in args.batches.split(",")]
+    kv_dtypes = args.kv_dtypes.split(",")
+
+    # The engine's own cache is not used: a few blocks, so its memory goes to the caches built here.
+    llm = LLM(args.model, dtype=args.dtype, num_blocks=4, block_size=args.block_size,
+              max_model_len=max(contexts) + args.steps + 2, num_threads=args.num_threads)
+    eng = llm.engine
+    cfg = eng.model_config
+    print(f"model {eng.model_name}, {eng.dtype}, {torch.get_num_threads()} threads, block size {args.block_size}")
+
+    rows: dict[tuple[int, int], dict[str, float | None]] = {(b, c): {} for b in batches for c in contexts}
+    backends: dict[str, str] = {}
+    for kv_dtype in kv_dtypes:
+        layout = KVLayout.for_model(cfg, args.block_size, kv_dtype, eng.dtype)
+        fits = [(b, c) for b in batches for c in contexts
+                if b * -(-(c + args.steps + 1) // args.block_size) * layout.block_bytes <= args.max_kv_gb * 2**30]
+        for key in rows.keys() - set(fits):
+            rows[key][kv_dtype] = None
+        if not fits:
+            continue
+        num_blocks = max(b * -(-(c + args.steps + 1) // args.block_size) for b, c in fits)
+        cache = KVCache(layout, num_blocks, eng.device)
+        fill_synthetic(cache)
+        attn = make_attention(args.attention_backend, eng.dtype, eng.device, layout.kv_dtype)
+        attn.warmup(cache.layers[0], cfg.num_heads)
+        backends[kv_dtype] = attn.name
+        runner = ModelRunner(eng.model, cache, attn, eng.device)
+        print(f"{kv_dtype}: {layout.describe()}; {num_blocks} blocks, {cache.nbytes / 2**30:.2f} GiB; attention {attn.name}")
+        for b, c in fits:
+            rows[(b, c)][kv_dtype] = time_point(runner, b, c, args.steps, args.block_size)
+        del runner, cache
+
+    first = kv_dtypes[0]
+    head = ["batch", "context"] + [f"{d} ms" for d in kv_dtypes] + [f"{d} x{first}" for d in kv_dtypes[1:]]
+    print(" | ".join(head))
+    out = []
+    for (b, c), t in rows.items():
+        cells = [str(b), str(c)] + [f"{t[d] * 1e3:.2f}" if t.get(d) else "skip" for d in kv_dtypes]
+        base = t.get(first)
+        cells += [f"{base / t[d]:.2f}" if base and t.get(d) else "-" for d in kv_dtypes[1:]]
+        print(" | ".join(cells))
+        out.append({"batch": b, "context": c, "tpot_ms": {d: (t[d] * 1e3 if t.get(d) else None) for d in kv_dtypes}})
+    if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"model": eng.model_name, "dtype": str(eng.dtype), "threads": torch.get_num_threads(),
+                       "block_size": args.block_size, "attention": backends, "steps": args.steps,
+                       "rows": out}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
