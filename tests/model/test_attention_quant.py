@@ -272,14 +272,15 @@ def special_rows(T: int, KVH: int, D: int, g: torch.Generator) -> torch.Tensor:
     return x
 
 
+@pytest.mark.parametrize("head_dim", [64, 40])  # the AVX-512 quantizer (multiples of 16) and the scalar one
 @pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_write_kv_quantizes_like_the_reference(cpu_paged, kv_dtype, in_dtype):
+def test_write_kv_quantizes_like_the_reference(cpu_paged, kv_dtype, in_dtype, head_dim):
     """The C++ write stores exactly kv/quant.quantize's codes and scales (bit for bit, both dtypes,
     bf16 and float32 rows) at each slot, from strided views of the fused projection, and touches no
     other slot."""
     g = torch.Generator().manual_seed(3)
-    KVH, D, bs, nblocks, T = 3, 64, 16, 12, 61
+    KVH, D, bs, nblocks, T = 3, head_dim, 16, 12, 61
     dtype, _ = QUANT_DTYPES[kv_dtype]
     qkv = torch.empty(T, (9 + 2 * KVH) * D, dtype=in_dtype)
     k = qkv[:, 9 * D : (9 + KVH) * D].view(T, KVH, D)
