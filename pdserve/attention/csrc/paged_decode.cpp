@@ -36,7 +36,7 @@ inline float to_float(int8_t x) { return static_cast<float>(x); }
 
 // fp8 e4m3fn (sign, 4 exponent bits with bias 7, 3 mantissa bits; no infinities) by a 256-entry table,
 // one load per value in the portable loops. The vector kernels convert by bit manipulation instead
-// (fp8x32_to_bf16 below), which needs no gather.
+// (Fp8Rows below), which needs no gather.
 inline float fp8_e4m3_value(uint8_t bits) {
   const int e = (bits >> 3) & 15, m = bits & 7;
   const float mag = e ? std::ldexp(1.f + m / 8.f, e - 7) : std::ldexp(static_cast<float>(m), -9);
@@ -183,11 +183,10 @@ inline __m512 hsum16(const __m512* v) {
   }
   // Add the four 128-bit lanes: lane k of the result holds vectors 4k .. 4k+3.
   const __m512 x0 = add(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+                        _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
   const __m512 x1 = add(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return add(_mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(3, 1, 3, 1)));
+                        _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return add(_mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
 inline void prefetch_rows(const void* p, int64_t bytes) {
@@ -340,9 +339,9 @@ inline void int8_scores16(const int8_t* k, const int16_t* q16, const float* unit
 // kept in L1 between blocks: all G heads' accumulators for a whole row (G x D / 16 vectors, 48 for the
 // 1.5B's 6 x 128) would not fit in the 32 vector registers.
 // A quantized cache (R = Int8Rows, Fp8Rows) takes the same path: 16 K rows are converted to bf16 once
-// into an L1 buffer that the G heads then read as they read a bf16 block, the 16 scores are multiplied
-// by their rows' K scales with the softmax scale, and before p.v each block's probabilities are
-// multiplied by their rows' V scales. int8 K takes VNNI integer dot products instead (see Int8Rows).
+// into an L1 buffer that the G heads then read as they read a bf16 block (int8 with VNNI: widened to
+// int16 for integer dot products instead, see Int8Rows), the 16 scores are multiplied by their rows' K
+// scales with the softmax scale, and before p.v the probabilities by their rows' V scales.
 constexpr int64_t kPrefetch = 6;
 constexpr int64_t kTouch = 16;  // one line of the block this far ahead: its page walk and DRAM row early (+5-10%)
 template <int D, int G, typename R>
@@ -438,8 +437,8 @@ void decode_avx512(const at::BFloat16* q, const typename R::T* k_cache, const ty
       }
     }
     for (int g = 0; g < G; ++g) softmax_inplace(scores.data() + g * stride, L);
-    if constexpr (R::kQuantized) {  // p * v_scale, so that V rows enter p.v unscaled (a pass of its own:
-      for (int64_t j = 0; j < nblocks; ++j) {  // p.v's scalar loads stall right after a masked store)
+    if constexpr (R::kQuantized) {  // p * v_scale over the whole context: V rows then enter p.v unscaled
+      for (int64_t j = 0; j < nblocks; ++j) {
         const float* vsb = vsh + blocks[j] * BS;
         const int64_t t0 = j * BS, n = std::min(BS, L - t0);
         for (int64_t t = 0; t < n; t += 16) {
