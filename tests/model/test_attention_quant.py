@@ -88,14 +88,14 @@ def test_supported_kv_dtypes_and_paths(cpu_paged):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("block_size", [16, 32, 8])  # 8: the fast kernel's row-at-a-time tail path
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_decode_reads_quantized_cache(cpu_paged, kv_dtype, block_size, shape):
     """Decodes of very different context lengths (partial blocks, one token, several hundred) through
     scattered blocks, all in one call, against float32 attention over the dequantized cache; the same
     bits with one thread as with two."""
     g = torch.Generator().manual_seed(1)
-    (H, KVH, D), nblocks = shape, 160
+    (H, KVH, D), nblocks = shape, 320
     ctx = [1, 15, 16, 17, 33, 250, 700, 2, 64, 129]
     cache = quantized_cache(KVH, nblocks, block_size, D, kv_dtype, g)
     tables, table = random_tables(ctx, block_size, nblocks, g)
