@@ -69,8 +69,9 @@ class CpuPagedAttention(TorchAttention):
         self._kernel = load_kernel()
 
     def supports_kv_dtype(self, kv_dtype: str) -> bool:
-        """Every `--kv-cache-dtype` but int4: the kernels read bf16/fp32 and the int8/fp8 caches in place."""
-        return kv_dtype in ("auto", "bfloat16", "float32", "int8", "fp8_e4m3")
+        """The kernels read bf16 and float32 caches, and int8 / fp8 e4m3 ones in place (the storage dtype's
+        name as the engine resolves it); not float16 (no fp16 queries), where the engine uses the reference."""
+        return kv_dtype in ("bfloat16", "float32", "int8", "fp8_e4m3")
 
     def kernel_paths(self, cache: LayerCache, num_heads: int) -> tuple[str, str, str | None]:
         """(decode path, prefill path, why either is not the fast one or None) for a model's cache (the
