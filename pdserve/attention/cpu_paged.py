@@ -15,6 +15,16 @@ tiles of 16 query rows (one per vector lane) x 16 keys with AVX-512 BF16 dot pro
 and a lane-wise online softmax (measured here, one 9-head prompt: 5.5-6.4x torch's CPU SDPA at
 128-1,000 tokens, 3.2-3.9x the previous key-per-lane version). Other shapes and dtypes use the
 reference SDPA path.
+
+A quantized cache (`--kv-cache-dtype int8 | fp8_e4m3`, kv/quant.py: one float32 scale per token and kv
+head) goes through the same kernels, which read the one-byte values in place and dequantize in
+registers (int8 and e4m3 are exact in bf16, so the dot products stay BF16 ones, except decode's int8 q.k:
+AVX512-VNNI integer dot products against the query rounded to int16; the K scale multiplies each score,
+the V scale is folded into the probabilities): a decode step reads D + 4 bytes per row instead of 2D
+(0.53x at head_dim 64). `write_kv` quantizes the new rows on the way, bit for bit as kv/quant.py does.
+The prefill kernel reads every token of a chunk back from the cache, so a fresh prompt attends to its own
+quantized K/V as later decodes will; where it has no fast path the reference's prefill runs (which must
+then dequantize the cache itself).
 """
 
 from __future__ import annotations
@@ -29,6 +39,9 @@ from pdserve.attention.torch_ref import TorchAttention
 from pdserve.kv.cache import LayerCache
 
 logger = logging.getLogger(__name__)
+
+# Cache dtypes the fast C++ kernels read (with bf16 queries), and how the log names them.
+_FAST_CACHE_DTYPES = {torch.bfloat16: "", torch.int8: ", int8 KV", torch.float8_e4m3fn: ", fp8 e4m3 KV"}
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode.cpp")
 
@@ -56,26 +69,29 @@ class CpuPagedAttention(TorchAttention):
         self._kernel = load_kernel()
 
     def supports_kv_dtype(self, kv_dtype: str) -> bool:
-        # Placeholder until this file's int8/fp8 kernels land: they read 16- and 32-bit caches only, and
-        # the engine runs a quantized cache on the torch reference instead.
-        return kv_dtype in ("bfloat16", "float16", "float32")
+        """The kernels read bf16 and float32 caches, and int8 / fp8 e4m3 ones in place (the storage dtype's
+        name as the engine resolves it); not float16 (no fp16 queries), where the engine uses the reference."""
+        return kv_dtype in ("bfloat16", "float32", "int8", "fp8_e4m3")
 
     def kernel_paths(self, cache: LayerCache, num_heads: int) -> tuple[str, str, str | None]:
-        """(decode path, prefill path, why either is not the fast one or None) for a model's cache."""
+        """(decode path, prefill path, why either is not the fast one or None) for a model's cache (the
+        fast paths of a quantized cache assume bf16 queries, as a model with such a cache runs)."""
         k_cache = cache.k
         kvh, _, block_size, head_dim = k_cache.shape
-        bf16 = k_cache.dtype == torch.bfloat16
-        fast_decode = bool(self._kernel.decode_fast_path(bf16, num_heads, kvh, head_dim))
-        fast_prefill = bool(self._kernel.prefill_fast_path(bf16, num_heads, kvh, head_dim, block_size))
+        label = _FAST_CACHE_DTYPES.get(k_cache.dtype)
+        fast = label is not None
+        fast_decode = bool(self._kernel.decode_fast_path(fast, num_heads, kvh, head_dim))
+        fast_prefill = bool(self._kernel.prefill_fast_path(fast, num_heads, kvh, head_dim, block_size))
         shape = f"head_dim {head_dim}, {num_heads // kvh} query heads per kv head"
-        decode = f"C++ AVX-512 BF16 ({shape})" if fast_decode else "C++ portable loop"
-        prefill = f"C++ AVX-512 BF16 flash ({shape})" if fast_prefill else "torch SDPA"
+        label = label or ""
+        decode = f"C++ AVX-512 BF16{label} ({shape})" if fast_decode else f"C++ portable loop{label}"
+        prefill = f"C++ AVX-512 BF16 flash{label} ({shape})" if fast_prefill else "torch SDPA"
         why = None
         if not (fast_decode and fast_prefill):
             if not self._kernel.decode_fast_path(True, 9, 3, 64):
                 why = "this CPU or compiler has no AVX-512 BF16"
-            elif not bf16:
-                why = f"the cache is {k_cache.dtype}, the fast kernels are bf16"
+            elif not fast:
+                why = f"the cache is {k_cache.dtype}, the fast kernels read bf16, int8 and fp8 e4m3"
             elif not fast_decode:
                 why = f"{shape} is outside the fast kernels' head_dim 64/128 and 1-8 heads per kv head"
             else:
@@ -90,10 +106,12 @@ class CpuPagedAttention(TorchAttention):
             logger.warning("attention cpu-paged: decode %s, prefill %s: slow path because %s", decode, prefill, why)
 
     def decode(self, q: torch.Tensor, cache: LayerCache, g: DecodeGroup, scale: float) -> torch.Tensor:
-        return self._kernel.paged_decode(q, cache.k, cache.v, g.block_table, g.context_lens, scale)
+        return self._kernel.paged_decode(
+            q, cache.k, cache.v, g.block_table, g.context_lens, scale, cache.k_scale, cache.v_scale
+        )
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, slots: torch.Tensor) -> None:
-        self._kernel.write_kv(k, v, cache.k, cache.v, slots)
+        self._kernel.write_kv(k, v, cache.k, cache.v, slots, cache.k_scale, cache.v_scale)
 
     def prefill(self, q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
         m = meta
@@ -101,7 +119,7 @@ class CpuPagedAttention(TorchAttention):
             assert m.prefill_query_starts is not None and m.prefill_query_lens is not None
             if self._kernel.paged_prefill(
                 q, cache.k, cache.v, m.prefill_block_table, m.prefill_query_starts, m.prefill_query_lens,
-                m.prefill_context_lens, scale, out,
+                m.prefill_context_lens, scale, out, cache.k_scale, cache.v_scale,
             ):
                 return
         super().prefill(q, k, v, cache, meta, scale, out)

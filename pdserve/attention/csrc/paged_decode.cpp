@@ -2,16 +2,26 @@
 // table (no gather copy), one pass over K for scores and one over V for the output. Work is split
 // over (request, kv head) pairs, in contiguous ranges of equal context length per thread (the runner
 // sorts decodes by context, so equal item counts would give one thread all the long ones).
+//
+// The cache is bf16 (or float32), or quantized (kv/quant.py): int8 or fp8 e4m3 values with one float32
+// scale per (kv head, token) row, the value being stored * scale. The kernels read quantized rows in place
+// and dequantize in registers; the scale is applied once per row (q.k: the dot product times the K
+// scale; p.v: the V scale folded into p), so a decode step reads D + 4 bytes per row instead of 2D.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <tuple>
 #include <type_traits>
 #include <vector>
+
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
 
 namespace {
 
@@ -22,6 +32,25 @@ inline float to_float(at::BFloat16 x) {
   std::memcpy(&f, &bits, sizeof(f));
   return f;
 }
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+
+// fp8 e4m3fn (sign, 4 exponent bits with bias 7, 3 mantissa bits; no infinities) by a 256-entry table,
+// one load per value in the portable loops. The vector kernels convert by bit manipulation instead
+// (Fp8Rows below), which needs no gather.
+inline float fp8_e4m3_value(uint8_t bits) {
+  const int e = (bits >> 3) & 15, m = bits & 7;
+  const float mag = e ? std::ldexp(1.f + m / 8.f, e - 7) : std::ldexp(static_cast<float>(m), -9);
+  return (bits & 0x80) ? -mag : mag;  // code 0x7f/0xff (NaN) reads as 480: quantize never writes it
+}
+const std::array<float, 256>& fp8_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int i = 0; i < 256; ++i) t[i] = fp8_e4m3_value(static_cast<uint8_t>(i));
+    return t;
+  }();
+  return table;
+}
+inline float to_float(at::Float8_e4m3fn x) { return fp8_table()[x.x]; }
 
 // Softmax of one query head's scores over its L context tokens, in place.
 inline void softmax_inplace(float* s, int64_t L) {
@@ -68,11 +97,21 @@ void for_each_item(const int64_t* ctx, int64_t B, int64_t KVH, const F& fn) {
   for_each_costed(costs, fn);
 }
 
-template <typename T>
-void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, const int64_t* ctx,
-                   T* out, int64_t B, int64_t H, int64_t D, int64_t KVH, int64_t NB, int64_t BS,
-                   int64_t max_blocks, float scale) {
+// The portable loop: queries T (bf16 or float), cache values C (T, or int8 / fp8 with the per-row scales
+// k_scale, v_scale [KVH, NB, BS]; nullptr for an unquantized cache). Each block's rows are converted to
+// float (times their scale) once, then dotted with every query head of the group.
+template <typename T, typename C>
+void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const float* k_scale, const float* v_scale,
+                   const int64_t* table, const int64_t* ctx, T* out, int64_t B, int64_t H, int64_t D, int64_t KVH,
+                   int64_t NB, int64_t BS, int64_t max_blocks, float scale) {
   const int64_t G = H / KVH;
+  // One block's rows as float, scaled when the cache is quantized.
+  const auto load_rows = [&](float* rows, const C* src, const float* row_scale, int64_t n) {
+    for (int64_t t = 0; t < n; ++t) {
+      const float s = row_scale ? row_scale[t] : 1.f;
+      for (int64_t d = 0; d < D; ++d) rows[t * D + d] = to_float(src[t * D + d]) * s;
+    }
+  };
   for_each_item(ctx, B, KVH, [&](int64_t idx) {
     thread_local std::vector<float> qf, acc, scores, rows;
     qf.resize(G * D), acc.resize(G * D), rows.resize(BS * D);
@@ -82,12 +121,13 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(q[(b * H + h * G + g) * D + d]) * scale;
       scores.resize(G * L);
-      const T* kh = k_cache + h * NB * BS * D;
-      const T* vh = v_cache + h * NB * BS * D;
+      const C* kh = k_cache + h * NB * BS * D;
+      const C* vh = v_cache + h * NB * BS * D;
+      const float* ksh = k_scale ? k_scale + h * NB * BS : nullptr;
+      const float* vsh = v_scale ? v_scale + h * NB * BS : nullptr;
       for (int64_t t0 = 0; t0 < L; t0 += BS) {  // one block at a time: BS contiguous rows
-        const int64_t n = std::min(BS, L - t0);
-        const T* kb = kh + blocks[t0 / BS] * BS * D;
-        for (int64_t i = 0; i < n * D; ++i) rows[i] = to_float(kb[i]);
+        const int64_t n = std::min(BS, L - t0), blk = blocks[t0 / BS];
+        load_rows(rows.data(), kh + blk * BS * D, ksh ? ksh + blk * BS : nullptr, n);
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qf.data() + g * D;
           float* sg = scores.data() + g * L + t0;
@@ -103,9 +143,8 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
       for (int64_t g = 0; g < G; ++g) softmax_inplace(scores.data() + g * L, L);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < L; t0 += BS) {
-        const int64_t n = std::min(BS, L - t0);
-        const T* vb = vh + blocks[t0 / BS] * BS * D;
-        for (int64_t i = 0; i < n * D; ++i) rows[i] = to_float(vb[i]);
+        const int64_t n = std::min(BS, L - t0), blk = blocks[t0 / BS];
+        load_rows(rows.data(), vh + blk * BS * D, vsh ? vsh + blk * BS : nullptr, n);
         for (int64_t g = 0; g < G; ++g) {
           float* ag = acc.data() + g * D;
           const float* sg = scores.data() + g * L + t0;
@@ -130,25 +169,28 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
 
 // The horizontal sums of 16 vectors, in order, as one vector: a transpose that adds as it goes
 // (30 shuffles and 15 adds instead of 16 separate reductions).
+template <bool kInt = false>
 inline __m512 hsum16(const __m512* v) {
+  const auto add = [](__m512 a, __m512 b) {  // int32 lanes (VNNI sums) travel as float bits
+    return kInt ? _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b))) : _mm512_add_ps(a, b);
+  };
   __m512 t[8], u[4];
   for (int i = 0; i < 8; ++i)  // per 128-bit lane: partial sums of vectors 2i, 2i+1
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    t[i] = add(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
   for (int j = 0; j < 4; ++j) {  // per 128-bit lane: the lane's sums of vectors 4j .. 4j+3
     const __m512d a = _mm512_castps_pd(t[2 * j]), b = _mm512_castps_pd(t[2 * j + 1]);
-    u[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    u[j] = add(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
   }
   // Add the four 128-bit lanes: lane k of the result holds vectors 4k .. 4k+3.
-  const __m512 x0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 x1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 x0 = add(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                        _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 x1 = add(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                        _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return add(_mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-inline void prefetch_rows(const at::BFloat16* p, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + off, _MM_HINT_T0);
+inline void prefetch_rows(const void* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T0);
 }
 
 // Stores 16 floats as bf16, rounding to nearest even as torch does.
@@ -163,6 +205,65 @@ inline __m512 bf16x16_to_float(const at::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+
+// How the fast kernels read each cache dtype's rows: `bf16x32` gives 32 values as bf16 (the q.k dot
+// products, and prefill's p.v, are bf16 pairs), `f32x32` the same 32 as two float vectors (decode's p.v).
+// int8 and fp8 e4m3 values are exact in bf16 (7 and 4 significant bits against bf16's 8), so a quantized
+// row costs a conversion and no rounding; its scale is applied by the kernel, once per row.
+struct Bf16Rows {
+  using T = at::BFloat16;
+  static constexpr bool kQuantized = false;
+  static constexpr bool kIntDot = false;  // see Int8Rows
+  static __m512i bf16x32(const T* p) { return _mm512_loadu_si512(p); }
+  static void f32x32(const T* p, __m512& lo, __m512& hi) { lo = bf16x16_to_float(p), hi = bf16x16_to_float(p + 16); }
+};
+
+// int8 K in decode goes another way where the CPU has AVX512-VNNI (every AVX512-BF16 CPU so far): the
+// query heads are rounded to int16 (15 bits of their largest value: finer than bf16's 8 significant
+// bits), K widens to int16 in one instruction per 32 values, and vpdpwssd sums the exact products, 32
+// per instruction, as vdpbf16ps does for bf16: one widening per 32 values where converting to bf16 takes
+// three conversions (on cache-resident blocks of a busy host it ran clearly faster; to be measured).
+#if defined(__AVX512VNNI__)
+constexpr bool kHaveVnni = true;
+#else
+constexpr bool kHaveVnni = false;
+#endif
+
+struct Int8Rows {
+  using T = int8_t;
+  static constexpr bool kQuantized = true;
+  static constexpr bool kIntDot = kHaveVnni;
+  static __m512 f32x16(const T* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static __m512i bf16x32(const T* p) { return (__m512i)_mm512_cvtne2ps_pbh(f32x16(p + 16), f32x16(p)); }
+  static void f32x32(const T* p, __m512& lo, __m512& hi) { lo = f32x16(p), hi = f32x16(p + 16); }
+};
+
+// bf16 bit patterns of the e4m3 subnormals m * 2^-9 (m = 0..7), indexed by the fp8 code's low bits.
+alignas(64) constexpr uint16_t kFp8SubnormalBf16[32] = {0, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};
+
+struct Fp8Rows {
+  using T = uint8_t;  // at::Float8_e4m3fn's bits
+  static constexpr bool kQuantized = true;
+  static constexpr bool kIntDot = false;
+  // Normal codes: bf16 takes e4m3's exponent rebiased (+120: bias 7 -> 127) and its 3 mantissa bits as
+  // the top of its 7; the subnormals (exponent field 0) come from an 8-entry table in one permute (bf16
+  // subnormals would be flushed to zero by the BF16 dot products).
+  static __m512i bf16x32(const T* p) {
+    const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512i mag = _mm512_add_epi16(_mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x7F)), 4),
+                                         _mm512_set1_epi16(120 << 7));
+    const __mmask32 sub = _mm512_testn_epi16_mask(w, _mm512_set1_epi16(0x78));
+    const __m512i fixed = _mm512_mask_permutexvar_epi16(mag, sub, w, _mm512_load_si512(kFp8SubnormalBf16));
+    return _mm512_or_si512(fixed, _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8));
+  }
+  static void f32x32(const T* p, __m512& lo, __m512& hi) {
+    const __m512i w = bf16x32(p);
+    lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(w)), 16));
+    hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(w, 1)), 16));
+  }
+};
 
 // The shapes with a fast path: query heads per kv head G = 1..8 (SmolLM2 3, Llama-3 4, Qwen2.5 0.5B 7 and
 // 1.5B 6) and head_dim 64 or 128. The kernels are templates on both, so per-head state stays in registers
@@ -190,6 +291,46 @@ void with_shape(int64_t G, int64_t D, const F& f) {
   else TORCH_CHECK(false, "no fast path for head_dim ", D);
 }
 
+// The VNNI path's queries (Int8Rows): each of the G heads rounded to int16 steps of max|q| / 32767;
+// unit[g] is the value of one step.
+template <int D, int G>
+inline void queries_to_int16(const at::BFloat16* q, int16_t* q16, float* unit) {
+  for (int g = 0; g < G; ++g) {
+    __m512 amax = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(bf16x16_to_float(q + g * D + d)));
+    const float m = _mm512_reduce_max_ps(amax);
+    unit[g] = m / 32767.f;
+    const __m512 inv = _mm512_set1_ps(m > 0.f ? 32767.f / m : 0.f);
+    for (int d = 0; d < D; d += 16)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(q16 + g * D + d),
+                         _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(bf16x16_to_float(q + g * D + d), inv))));
+  }
+}
+
+// The scores of 16 int8 K rows for the G int16 query heads, times row_scale (softmax scale x K scales)
+// and each head's step: K widened to int16 once into `kw` (L1), then exact integer dot products.
+template <int D, int G>
+inline void int8_scores16(const int8_t* k, const int16_t* q16, const float* unit, __m512 row_scale, int16_t* kw,
+                          float* scores, int64_t stride) {
+  constexpr int NC = D / 32;
+  for (int r = 0; r < 16; ++r)
+    for (int c = 0; c < NC; ++c)
+      _mm512_store_si512(kw + r * D + 32 * c,
+                         _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + r * D + 32 * c))));
+  for (int g = 0; g < G; ++g) {
+    __m512i qv[NC];
+    for (int c = 0; c < NC; ++c) qv[c] = _mm512_load_si512(q16 + g * D + 32 * c);
+    __m512 acc[16];
+    for (int r = 0; r < 16; ++r) {
+      __m512i a = _mm512_setzero_si512();
+      for (int c = 0; c < NC; ++c) a = _mm512_dpwssd_epi32(a, qv[c], _mm512_load_si512(kw + r * D + 32 * c));
+      acc[r] = _mm512_castsi512_ps(a);
+    }
+    const __m512 dots = _mm512_cvtepi32_ps(_mm512_castps_si512(hsum16<true>(acc)));
+    _mm512_storeu_ps(scores + g * stride, _mm512_mul_ps(dots, _mm512_mul_ps(row_scale, _mm512_set1_ps(unit[g]))));
+  }
+}
+
 // bf16 K/V, head_dim D (64 or 128), G query heads per kv head: AVX-512 BF16 dot products for q.k (32
 // pairs per instruction, no conversion of K), 16 tokens' scores reduced together, and blocks prefetched
 // kPrefetch ahead (blocks are scattered: 30 layers' caches of 10 x 1,200 tokens in random blocks read at
@@ -197,13 +338,20 @@ void with_shape(int64_t G, int64_t D, const F& f) {
 // row) at a time with the G heads' accumulators for that slice in registers (2G vectors: 16 at G = 8),
 // kept in L1 between blocks: all G heads' accumulators for a whole row (G x D / 16 vectors, 48 for the
 // 1.5B's 6 x 128) would not fit in the 32 vector registers.
+// A quantized cache (R = Int8Rows, Fp8Rows) takes the same path: 16 K rows are converted to bf16 once
+// into an L1 buffer that the G heads then read as they read a bf16 block (int8 with VNNI: widened to
+// int16 for integer dot products instead, see Int8Rows), the 16 scores are multiplied by their rows' K
+// scales with the softmax scale, and before p.v the probabilities by their rows' V scales.
 constexpr int64_t kPrefetch = 6;
 constexpr int64_t kTouch = 16;  // one line of the block this far ahead: its page walk and DRAM row early (+5-10%)
-template <int D, int G>
-void decode_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache,
-                 const int64_t* table, const int64_t* ctx, at::BFloat16* out, int64_t B, int64_t H,
-                 int64_t KVH, int64_t NB, int64_t BS, int64_t max_blocks, float scale) {
-  constexpr int NC = D / 32;  // 32-dim slices of a row: bf16 vectors of q and k, cache lines of v
+template <int D, int G, typename R>
+void decode_avx512(const at::BFloat16* q, const typename R::T* k_cache, const typename R::T* v_cache,
+                   const float* k_scale, const float* v_scale, const int64_t* table, const int64_t* ctx,
+                   at::BFloat16* out, int64_t B, int64_t H, int64_t KVH, int64_t NB, int64_t BS, int64_t max_blocks,
+                   float scale) {
+  using T = typename R::T;
+  constexpr int NC = D / 32;  // 32-dim slices of a row: bf16 vectors of q and k, cache lines of bf16 v
+  const int64_t block_bytes = BS * D * static_cast<int64_t>(sizeof(T)), scale_bytes = BS * 4;
   const __m512 vscale = _mm512_set1_ps(scale);
   for_each_item(ctx, B, KVH, [&](int64_t idx) {
     thread_local std::vector<float> scores;
@@ -213,21 +361,48 @@ void decode_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::B
     const at::BFloat16* qh = q + (b * H + h * G) * D;  // the group's G query heads, contiguous
     const int64_t stride = nblocks * BS + 16;  // room to store whole 16-token groups past L
     scores.resize(G * stride);
-    const at::BFloat16* kh = k_cache + h * NB * BS * D;
-    const at::BFloat16* vh = v_cache + h * NB * BS * D;
+    const T* kh = k_cache + h * NB * BS * D;
+    const T* vh = v_cache + h * NB * BS * D;
+    const float* ksh = R::kQuantized ? k_scale + h * NB * BS : nullptr;
+    const float* vsh = R::kQuantized ? v_scale + h * NB * BS : nullptr;
+    // Block a's K with its K and V scales (or, past the last, V block a - nblocks), into L1.
+    const auto prefetch_block = [&](int64_t a) {
+      const bool k_side = a < nblocks;
+      const int64_t blk = blocks[k_side ? a : a - nblocks];
+      prefetch_rows((k_side ? kh : vh) + blk * BS * D, block_bytes);
+      if (R::kQuantized && k_side) prefetch_rows(ksh + blk * BS, scale_bytes), prefetch_rows(vsh + blk * BS, scale_bytes);
+    };
+    alignas(64) uint16_t kconv[R::kQuantized ? 16 * D : 1];  // 16 quantized K rows as bf16 (int16 for VNNI)
+    alignas(64) int16_t q16[R::kIntDot ? G * D : 1];
+    float q_unit[G];
+    if constexpr (R::kIntDot) queries_to_int16<D, G>(qh, q16, q_unit);
     for (int64_t j = 0; j < nblocks; ++j) {
-      const at::BFloat16* kb = kh + blocks[j] * BS * D;
+      const T* kb = kh + blocks[j] * BS * D;
+      const float* ksb = R::kQuantized ? ksh + blocks[j] * BS : nullptr;
       // Blocks kPrefetch ahead, running on into the first V blocks at the end of the K pass.
       if (j == 0)
-        for (int64_t a = 1; a < kPrefetch && a < nblocks; ++a) prefetch_rows(kh + blocks[a] * BS * D, BS * D * 2);
-      if (j + kPrefetch < nblocks) prefetch_rows(kh + blocks[j + kPrefetch] * BS * D, BS * D * 2);
-      else if (j + kPrefetch - nblocks < nblocks) prefetch_rows(vh + blocks[j + kPrefetch - nblocks] * BS * D, BS * D * 2);
+        for (int64_t a = 1; a < kPrefetch && a < nblocks; ++a) prefetch_block(a);
+      if (j + kPrefetch < 2 * nblocks) prefetch_block(j + kPrefetch);
       if (j + kTouch < nblocks) _mm_prefetch(reinterpret_cast<const char*>(kh + blocks[j + kTouch] * BS * D), _MM_HINT_T2);
       else if (j + kTouch - nblocks < nblocks) _mm_prefetch(reinterpret_cast<const char*>(vh + blocks[j + kTouch - nblocks] * BS * D), _MM_HINT_T2);
       const int64_t t0 = j * BS, n = std::min(BS, L - t0);
       int64_t t = 0;
       for (; t + 16 <= BS && t < n; t += 16) {  // 16 rows at a time (rows past n are read, never used)
-        const at::BFloat16* k = kb + t * D;
+        if constexpr (R::kIntDot) {
+          int8_scores16<D, G>(kb + t * D, q16, q_unit, _mm512_mul_ps(vscale, _mm512_loadu_ps(ksb + t)),
+                              reinterpret_cast<int16_t*>(kconv), scores.data() + t0 + t, stride);
+          continue;
+        }
+        const at::BFloat16* k;
+        __m512 row_scale = vscale;
+        if constexpr (R::kQuantized) {
+          for (int r = 0; r < 16; ++r)
+            for (int c = 0; c < NC; ++c) _mm512_store_si512(kconv + r * D + 32 * c, R::bf16x32(kb + (t + r) * D + 32 * c));
+          k = reinterpret_cast<const at::BFloat16*>(kconv);
+          row_scale = _mm512_mul_ps(vscale, _mm512_loadu_ps(ksb + t));
+        } else {
+          k = kb + t * D;
+        }
         for (int g = 0; g < G; ++g) {
           __m512bh qv[NC];
           for (int c = 0; c < NC; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qh + g * D + 32 * c);
@@ -237,27 +412,51 @@ void decode_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::B
             for (int c = 0; c < NC; ++c)
               acc[r] = _mm512_dpbf16_ps(acc[r], qv[c], (__m512bh)_mm512_loadu_si512(k + r * D + 32 * c));
           }
-          _mm512_storeu_ps(scores.data() + g * stride + t0 + t, _mm512_mul_ps(hsum16(acc), vscale));
+          _mm512_storeu_ps(scores.data() + g * stride + t0 + t, _mm512_mul_ps(hsum16(acc), row_scale));
         }
       }
       for (; t < n; ++t) {  // blocks smaller than 16 tokens
-        const at::BFloat16* k = kb + t * D;
+        const float row_scale = R::kQuantized ? scale * ksb[t] : scale;
+        if constexpr (R::kIntDot) {
+          for (int g = 0; g < G; ++g) {
+            __m512i acc = _mm512_setzero_si512();
+            for (int c = 0; c < NC; ++c)
+              acc = _mm512_dpwssd_epi32(acc, _mm512_load_si512(q16 + g * D + 32 * c),
+                                        _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kb + t * D + 32 * c))));
+            scores[g * stride + t0 + t] = static_cast<float>(_mm512_reduce_add_epi32(acc)) * q_unit[g] * row_scale;
+          }
+          continue;
+        }
         for (int g = 0; g < G; ++g) {
           __m512 acc = _mm512_setzero_ps();
           for (int c = 0; c < NC; ++c)
             acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qh + g * D + 32 * c),
-                                   (__m512bh)_mm512_loadu_si512(k + 32 * c));
-          scores[g * stride + t0 + t] = _mm512_reduce_add_ps(acc) * scale;
+                                   (__m512bh)R::bf16x32(kb + t * D + 32 * c));
+          scores[g * stride + t0 + t] = _mm512_reduce_add_ps(acc) * row_scale;
         }
       }
     }
     for (int g = 0; g < G; ++g) softmax_inplace(scores.data() + g * stride, L);
+    if constexpr (R::kQuantized) {  // p * v_scale over the whole context: V rows then enter p.v unscaled
+      for (int64_t j = 0; j < nblocks; ++j) {
+        const float* vsb = vsh + blocks[j] * BS;
+        const int64_t t0 = j * BS, n = std::min(BS, L - t0);
+        for (int64_t t = 0; t < n; t += 16) {
+          const __mmask16 live = n - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - t)) - 1u);
+          const __m512 vs = _mm512_maskz_loadu_ps(live, vsb + t);
+          for (int g = 0; g < G; ++g) {
+            float* p = scores.data() + g * stride + t0 + t;
+            _mm512_mask_storeu_ps(p, live, _mm512_mul_ps(_mm512_maskz_loadu_ps(live, p), vs));
+          }
+        }
+      }
+    }
     alignas(64) float accm[G][D];
     for (int g = 0; g < G; ++g)
       for (int d = 0; d < D; d += 16) _mm512_store_ps(accm[g] + d, _mm512_setzero_ps());
     for (int64_t j = 0; j < nblocks; ++j) {
-      const at::BFloat16* vb = vh + blocks[j] * BS * D;
-      if (j + kPrefetch < nblocks) prefetch_rows(vh + blocks[j + kPrefetch] * BS * D, BS * D * 2);
+      const T* vb = vh + blocks[j] * BS * D;
+      if (j + kPrefetch < nblocks) prefetch_block(nblocks + j + kPrefetch);
       if (j + kTouch < nblocks) _mm_prefetch(reinterpret_cast<const char*>(vh + blocks[j + kTouch] * BS * D), _MM_HINT_T2);
       const int64_t t0 = j * BS, n = std::min(BS, L - t0);
       for (int c = 0; c < NC; ++c) {
@@ -265,8 +464,8 @@ void decode_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::B
         for (int g = 0; g < G; ++g)
           acc[g][0] = _mm512_load_ps(accm[g] + 32 * c), acc[g][1] = _mm512_load_ps(accm[g] + 32 * c + 16);
         for (int64_t t = 0; t < n; ++t) {
-          const at::BFloat16* v = vb + t * D + 32 * c;
-          const __m512 v0 = bf16x16_to_float(v), v1 = bf16x16_to_float(v + 16);
+          __m512 v0, v1;
+          R::f32x32(vb + t * D + 32 * c, v0, v1);
           for (int g = 0; g < G; ++g) {
             const __m512 p = _mm512_set1_ps(scores[g * stride + t0 + t]);
             acc[g][0] = _mm512_fmadd_ps(p, v0, acc[g][0]);
@@ -308,12 +507,17 @@ inline __m512 exp2_ps(__m512 x) {
 // horizontal max or sum), and p.v is AVX-512 BF16 dot products over pairs of keys, with p rounded to
 // bf16 as torch's CPU flash attention does and V interleaved by key pairs once per 16 keys for the
 // tile's G heads. The accumulators stay fp32, [head][dim][row], in L1.
-template <int D, int G>
-void prefill_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache,
-                      const int64_t* tables, int64_t max_blocks, const int64_t* q_start, const int64_t* q_len,
-                      const int64_t* ctx, int64_t P, at::BFloat16* out, int64_t H, int64_t KVH, int64_t NB,
-                      int64_t BS, float scale, int64_t q_row, int64_t out_row) {
+// A quantized cache: the 16 keys are converted to bf16 once per chunk (exact), their scores multiplied by
+// their K scales, and the probabilities by their V scales before they are rounded to bf16 for p.v (the
+// row sums l stay unscaled).
+template <int D, int G, typename R>
+void prefill_avx512(const at::BFloat16* q, const typename R::T* k_cache, const typename R::T* v_cache,
+                    const float* k_scale, const float* v_scale, const int64_t* tables, int64_t max_blocks,
+                    const int64_t* q_start, const int64_t* q_len, const int64_t* ctx, int64_t P, at::BFloat16* out,
+                    int64_t H, int64_t KVH, int64_t NB, int64_t BS, float scale, int64_t q_row, int64_t out_row) {
+  using T = typename R::T;
   constexpr int64_t QT = 16;
+  constexpr int64_t chunk_bytes = 16 * D * static_cast<int64_t>(sizeof(T));
   struct Item { int64_t p, h, r0; };
   std::vector<Item> items;
   std::vector<int64_t> costs;
@@ -338,8 +542,12 @@ void prefill_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::
     const int64_t p = item.p, h = item.h, r0 = item.r0;
     const int64_t rows = std::min(QT, q_len[p] - r0), first_pos = ctx[p] - q_len[p] + r0;
     const int64_t* blocks = tables + p * max_blocks;
-    const at::BFloat16* kh = k_cache + h * NB * BS * D;
-    const at::BFloat16* vh = v_cache + h * NB * BS * D;
+    const T* kh = k_cache + h * NB * BS * D;
+    const T* vh = v_cache + h * NB * BS * D;
+    const float* ksh = R::kQuantized ? k_scale + h * NB * BS : nullptr;
+    const float* vsh = R::kQuantized ? v_scale + h * NB * BS : nullptr;
+    alignas(64) int32_t kconv[R::kQuantized ? 8 * D : 1];  // the chunk's 16 quantized keys as bf16
+    alignas(64) float kmul[16], vmul[16];  // per key: K scale x softmax scale (log2 units), V scale
     alignas(64) int32_t qt[G][D / 2][QT];  // query dim pairs, lanes = rows
     alignas(64) float acc[G][D][QT];       // lanes = rows
     alignas(64) int32_t vi[8][D];          // 16 keys' V: (v[2t][d], v[2t+1][d]) per dim d
@@ -359,20 +567,30 @@ void prefill_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::
     }
     const int64_t num_keys = first_pos + rows;  // the last row attends this many keys
     for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
-      const int64_t off = blocks[j0 / BS] * BS * D + (j0 % BS) * D;
+      const int64_t row0 = blocks[j0 / BS] * BS + j0 % BS, off = row0 * D;  // the chunk's first row
       const int32_t* kb = reinterpret_cast<const int32_t*>(kh + off);
-      const at::BFloat16* vb = vh + off;
+      const T* vb = vh + off;
       const int64_t nk = std::min<int64_t>(16, num_keys - j0);
       if (j0 + 16 < num_keys) {
-        const int64_t next = blocks[(j0 + 16) / BS] * BS * D + ((j0 + 16) % BS) * D;
-        prefetch_rows(kh + next, 16 * D * 2);
-        prefetch_rows(vh + next, 16 * D * 2);
+        const int64_t next = blocks[(j0 + 16) / BS] * BS + (j0 + 16) % BS;
+        prefetch_rows(kh + next * D, chunk_bytes);
+        prefetch_rows(vh + next * D, chunk_bytes);
+        if constexpr (R::kQuantized) prefetch_rows(ksh + next, 64), prefetch_rows(vsh + next, 64);
+      }
+      if constexpr (R::kQuantized) {  // keys past nk: scale 0 (their rows may hold anything)
+        const __mmask16 live = static_cast<__mmask16>((1u << nk) - 1u);
+        _mm512_store_ps(kmul, _mm512_mul_ps(scale2, _mm512_maskz_loadu_ps(live, ksh + row0)));
+        _mm512_store_ps(vmul, _mm512_maskz_loadu_ps(live, vsh + row0));
+        for (int t = 0; t < 16; ++t)
+          for (int c = 0; c < D / 32; ++c)
+            _mm512_store_si512(kconv + t * (D / 2) + 16 * c, R::bf16x32(kh + off + t * D + 32 * c));
+        kb = kconv;
       }
       for (int tp = 0; tp < 8; ++tp) {  // keys past nk get zero V (their rows may hold anything)
-        const at::BFloat16* v0 = vb + 2 * tp * D;
+        const T* v0 = vb + 2 * tp * D;
         for (int c = 0; c < D / 32; ++c) {  // dims 32c .. 32c+31 of keys 2tp and 2tp+1, interleaved
-          const __m512i a = 2 * tp < nk ? _mm512_loadu_si512(v0 + 32 * c) : _mm512_setzero_si512();
-          const __m512i b = 2 * tp + 1 < nk ? _mm512_loadu_si512(v0 + D + 32 * c) : _mm512_setzero_si512();
+          const __m512i a = 2 * tp < nk ? R::bf16x32(v0 + 32 * c) : _mm512_setzero_si512();
+          const __m512i b = 2 * tp + 1 < nk ? R::bf16x32(v0 + D + 32 * c) : _mm512_setzero_si512();
           _mm512_store_si512(vi[tp] + 32 * c, _mm512_permutex2var_epi16(a, vlo, b));
           _mm512_store_si512(vi[tp] + 32 * c + 16, _mm512_permutex2var_epi16(a, vhi, b));
         }
@@ -388,7 +606,7 @@ void prefill_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::
         }
         __m512 mx = neg_big;
         for (int t = 0; t < 16; ++t) {
-          s[t] = _mm512_mul_ps(s[t], scale2);
+          s[t] = _mm512_mul_ps(s[t], R::kQuantized ? _mm512_set1_ps(kmul[t]) : scale2);
           if (causal)
             s[t] = _mm512_mask_mov_ps(neg_big, _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(j0 + t))), s[t]);
           mx = _mm512_max_ps(mx, s[t]);
@@ -402,6 +620,8 @@ void prefill_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::
           sum = _mm512_add_ps(sum, s[t]);
         }
         l[g] = _mm512_fmadd_ps(l[g], alpha, sum);
+        if constexpr (R::kQuantized)
+          for (int t = 0; t < 16; ++t) s[t] = _mm512_mul_ps(s[t], _mm512_set1_ps(vmul[t]));
         __m512bh pp[8];
         for (int tp = 0; tp < 8; ++tp)
           pp[tp] = (__m512bh)_mm512_permutexvar_epi16(pil, (__m512i)_mm512_cvtne2ps_pbh(s[2 * tp + 1], s[2 * tp]));
@@ -434,8 +654,164 @@ void prefill_bf16(const at::BFloat16* q, const at::BFloat16* k_cache, const at::
 
 }  // namespace
 
-// Whether paged_decode / paged_prefill take their AVX-512 BF16 path for these shapes (bf16 tensors,
-// contiguous caches); otherwise decode runs the portable loop above and prefill returns false.
+namespace {
+
+bool is_quantized(const torch::Tensor& cache) {
+  return cache.scalar_type() == torch::kChar || cache.scalar_type() == torch::kFloat8_e4m3fn;
+}
+
+// A quantized cache comes with its scales (float32 [KVH, NB, BS], contiguous, kv/cache.py's LayerCache);
+// an unquantized one without. Returns the scales' data (nullptr, nullptr for an unquantized cache).
+std::pair<float*, float*> cache_scales(const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                                       const std::optional<torch::Tensor>& k_scale,
+                                       const std::optional<torch::Tensor>& v_scale) {
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "k and v caches have different dtypes");
+  if (!is_quantized(k_cache)) {
+    TORCH_CHECK(!k_scale && !v_scale, "scales given for a ", k_cache.scalar_type(), " cache");
+    return {nullptr, nullptr};
+  }
+  TORCH_CHECK(k_scale && v_scale, "a ", k_cache.scalar_type(), " cache needs k_scale and v_scale");
+  for (const torch::Tensor* t : {&*k_scale, &*v_scale})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->dim() == 3 &&
+                    t->sizes() == k_cache.sizes().slice(0, 3), "scales must be contiguous float32 [KVH, NB, BS]");
+  return {k_scale->data_ptr<float>(), v_scale->data_ptr<float>()};
+}
+
+#ifdef PDSERVE_HAVE_AVX512BF16
+// Calls f(R{}) with the row type of a cache dtype that has fast kernels.
+template <typename F>
+void with_rows(at::ScalarType dtype, const F& f) {
+  switch (dtype) {
+    case torch::kBFloat16: f(Bf16Rows{}); break;
+    case torch::kChar: f(Int8Rows{}); break;
+    case torch::kFloat8_e4m3fn: f(Fp8Rows{}); break;
+    default: TORCH_CHECK(false, "no fast kernels for a ", dtype, " cache");
+  }
+}
+#endif
+
+template <typename T>
+void decode_portable(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                     const float* ks, const float* vs, const torch::Tensor& table, const torch::Tensor& ctx,
+                     torch::Tensor& out, float scale) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t KVH = k_cache.size(0), NB = k_cache.size(1), BS = k_cache.size(2);
+  const auto run = [&](auto cache_elem) {
+    using C = decltype(cache_elem);
+    decode_kernel<T, C>(q.data_ptr<T>(), static_cast<const C*>(k_cache.data_ptr()),
+                        static_cast<const C*>(v_cache.data_ptr()), ks, vs, table.data_ptr<int64_t>(),
+                        ctx.data_ptr<int64_t>(), out.data_ptr<T>(), B, H, D, KVH, NB, BS, table.size(1), scale);
+  };
+  switch (k_cache.scalar_type()) {
+    case torch::kChar: run(int8_t{}); break;
+    case torch::kFloat8_e4m3fn: run(at::Float8_e4m3fn{}); break;
+    default:
+      TORCH_CHECK(k_cache.scalar_type() == q.scalar_type(), "q and cache dtypes differ");
+      run(T{});
+  }
+}
+
+// a / b as IEEE division: -ffast-math lets the compiler turn a division into a multiplication by the
+// reciprocal, which rounds differently, and the quantized rows must match the reference bit for bit.
+inline float exact_div(float a, float b) {
+#if defined(__SSE__) && !defined(__clang__)
+  return _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(a), _mm_set_ss(b)));  // a builtin: opaque to the optimiser
+#else
+  volatile float vb = b;
+  return a / vb;
+#endif
+}
+
+// The e4m3fn code nearest to y, ties to even, as torch converts float -> float8_e4m3fn (|y| >= 480 and
+// NaN give the NaN code; a quantized row's values stay within +-448).
+inline uint8_t fp8_e4m3_code(float y) {
+  uint32_t bits;
+  std::memcpy(&bits, &y, sizeof(bits));
+  const uint32_t sign = (bits >> 24) & 0x80u;
+  bits &= 0x7FFFFFFFu;
+  float a;
+  std::memcpy(&a, &bits, sizeof(a));
+  uint32_t code;
+  if (bits >= 0x43F00000u) code = 0x7F;  // 480
+  else if (bits < 0x3C800000u) code = static_cast<uint32_t>(std::nearbyint(a * 512.f));  // below 2^-6: steps of 2^-9
+  else code = ((bits + 0x7FFFFu + ((bits >> 20) & 1u)) >> 20) - (120u << 3);  // drop 20 mantissa bits, rebias
+  return static_cast<uint8_t>(code | sign);
+}
+
+// One row quantized exactly as kv/quant.py does (the oracle): scale = max|x| / qmax, x * (1 / scale)
+// rounded to nearest even (int8 clamped to +-127), a row of zeros stored as zeros with scale 0.
+template <typename In, typename C>
+void quantize_row(const In* x, int64_t D, C* dst, float* scale) {
+  constexpr bool int8 = std::is_same_v<C, int8_t>;
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(to_float(x[d])));
+  *scale = exact_div(amax, int8 ? 127.f : 448.f);
+  const float inv = *scale > 0.f ? exact_div(1.f, *scale) : 0.f;
+  for (int64_t d = 0; d < D; ++d) {
+    const float y = to_float(x[d]) * inv;
+    if constexpr (int8) dst[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(y))));
+    else dst[d] = at::Float8_e4m3fn(fp8_e4m3_code(y), at::Float8_e4m3fn::from_bits());
+  }
+}
+
+#ifdef PDSERVE_HAVE_AVX512BF16
+inline __m512 load_f32x16(const at::BFloat16* p) { return bf16x16_to_float(p); }
+inline __m512 load_f32x16(const float* p) { return _mm512_loadu_ps(p); }
+
+// fp8_e4m3_code on 16 lanes, as 16 int32 codes.
+inline __m512i fp8_e4m3_codes(__m512 y) {
+  const __m512i bits = _mm512_castps_si512(y);
+  const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80));
+  const __m512i mag = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(mag, 20), _mm512_set1_epi32(1));
+  __m512i code = _mm512_sub_epi32(
+      _mm512_srli_epi32(_mm512_add_epi32(mag, _mm512_add_epi32(_mm512_set1_epi32(0x7FFFF), lsb)), 20),
+      _mm512_set1_epi32(120 << 3));
+  const __m512 sub_steps = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(512.f)),
+                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  code = _mm512_mask_mov_epi32(code, _mm512_cmplt_epu32_mask(mag, _mm512_set1_epi32(0x3C800000)),
+                               _mm512_cvttps_epi32(sub_steps));
+  code = _mm512_mask_mov_epi32(code, _mm512_cmpge_epu32_mask(mag, _mm512_set1_epi32(0x43F00000)), _mm512_set1_epi32(0x7F));
+  return _mm512_or_si512(code, sign);
+}
+
+// quantize_row, 16 values at a time (D a multiple of 16): the same operations in the same order, so the
+// same bits (the horizontal max is exact in any order).
+template <typename In, typename C>
+void quantize_row_avx512(const In* x, int64_t D, C* dst, float* scale) {
+  constexpr bool int8 = std::is_same_v<C, int8_t>;
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load_f32x16(x + d)));
+  *scale = exact_div(_mm512_reduce_max_ps(amax), int8 ? 127.f : 448.f);
+  const __m512 inv = _mm512_set1_ps(*scale > 0.f ? exact_div(1.f, *scale) : 0.f);
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 y = _mm512_mul_ps(load_f32x16(x + d), inv);
+    __m512i codes;
+    if constexpr (int8) {
+      const __m512 r = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      codes = _mm512_cvttps_epi32(_mm512_min_ps(_mm512_set1_ps(127.f), _mm512_max_ps(_mm512_set1_ps(-127.f), r)));
+    } else {
+      codes = fp8_e4m3_codes(y);
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d), _mm512_cvtepi32_epi8(codes));
+  }
+}
+#endif
+
+// One row into the cache: the vector version where it applies, else the scalar one.
+template <typename In, typename C>
+void quantize_into(const In* x, int64_t D, C* dst, float* scale) {
+#ifdef PDSERVE_HAVE_AVX512BF16
+  if (D % 16 == 0) return quantize_row_avx512(x, D, dst, scale);
+#endif
+  quantize_row(x, D, dst, scale);
+}
+
+}  // namespace
+
+// Whether paged_decode / paged_prefill take their AVX-512 BF16 path for these shapes (bf16 queries and a
+// bf16, int8 or fp8 e4m3 cache, contiguous); otherwise decode runs the portable loop above and prefill
+// returns false.
 bool decode_fast_path(bool bf16, int64_t H, int64_t KVH, int64_t D) {
 #ifdef PDSERVE_HAVE_AVX512BF16
   return bf16 && KVH > 0 && H % KVH == 0 && is_fast_shape(H / KVH, D);
@@ -449,13 +825,15 @@ bool prefill_fast_path(bool bf16, int64_t H, int64_t KVH, int64_t D, int64_t BS)
 }
 
 // q [B, H, D]; k_cache, v_cache [KVH, NB, BS, D] (contiguous); table [B, max_blocks] int64;
-// context_lens [B] int64 (>= 1). Returns [B, H, D] in q's dtype.
+// context_lens [B] int64 (>= 1); k_scale, v_scale [KVH, NB, BS] float32 with an int8 or fp8 cache.
+// Returns [B, H, D] in q's dtype.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
-                           torch::Tensor context_lens, double scale) {
+                           torch::Tensor context_lens, double scale, std::optional<torch::Tensor> k_scale,
+                           std::optional<torch::Tensor> v_scale) {
   TORCH_CHECK(q.device().is_cpu(), "paged_decode runs on CPU tensors");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "bad shapes");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
+  const auto [ks, vs] = cache_scales(k_cache, v_cache, k_scale, v_scale);
   q = q.contiguous();
   table = table.to(torch::kInt64).contiguous();
   context_lens = context_lens.to(torch::kInt64).contiguous();
@@ -463,26 +841,27 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const int64_t KVH = k_cache.size(0), NB = k_cache.size(1), BS = k_cache.size(2);
   TORCH_CHECK(H % KVH == 0 && k_cache.size(3) == D, "head layout mismatch");
   auto out = torch::empty_like(q);
+  const bool bf16 = q.scalar_type() == torch::kBFloat16 &&
+                    (k_cache.scalar_type() == torch::kBFloat16 || is_quantized(k_cache));
 #ifdef PDSERVE_HAVE_AVX512BF16
-  if (decode_fast_path(q.scalar_type() == torch::kBFloat16, H, KVH, D)) {
-    auto args = std::make_tuple(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
-                                v_cache.data_ptr<at::BFloat16>(), table.data_ptr<int64_t>(),
-                                context_lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), B, H, KVH, NB, BS,
-                                table.size(1), static_cast<float>(scale));
-    with_shape(H / KVH, D, [&](auto d, auto g) { std::apply(decode_bf16<decltype(d)::value, decltype(g)::value>, args); });
+  if (decode_fast_path(bf16, H, KVH, D)) {
+    with_rows(k_cache.scalar_type(), [&](auto rows) {
+      using R = decltype(rows);
+      using T = typename R::T;
+      auto args = std::make_tuple(q.data_ptr<at::BFloat16>(), static_cast<const T*>(k_cache.data_ptr()),
+                                  static_cast<const T*>(v_cache.data_ptr()), ks, vs, table.data_ptr<int64_t>(),
+                                  context_lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), B, H, KVH, NB, BS,
+                                  table.size(1), static_cast<float>(scale));
+      with_shape(H / KVH, D, [&](auto d, auto g) { std::apply(decode_avx512<decltype(d)::value, decltype(g)::value, R>, args); });
+    });
     return out;
   }
 #endif
   if (q.scalar_type() == torch::kBFloat16) {
-    decode_kernel<at::BFloat16>(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
-                                v_cache.data_ptr<at::BFloat16>(), table.data_ptr<int64_t>(),
-                                context_lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), B, H, D, KVH, NB,
-                                BS, table.size(1), static_cast<float>(scale));
+    decode_portable<at::BFloat16>(q, k_cache, v_cache, ks, vs, table, context_lens, out, static_cast<float>(scale));
   } else {
-    TORCH_CHECK(q.scalar_type() == torch::kFloat32, "paged_decode supports bfloat16 and float32");
-    decode_kernel<float>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                         table.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H,
-                         D, KVH, NB, BS, table.size(1), static_cast<float>(scale));
+    TORCH_CHECK(q.scalar_type() == torch::kFloat32, "paged_decode supports bfloat16 and float32 queries");
+    decode_portable<float>(q, k_cache, v_cache, ks, vs, table, context_lens, out, static_cast<float>(scale));
   }
   return out;
 }
@@ -490,27 +869,35 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 // Causal prefill attention for several sequences in one call, into `out` (rows of `q` outside the
 // sequences are left alone). q, out [T, H, D] bf16, heads and head_dim contiguous (rows may be strided:
 // q is a view into the fused QKV projection; the row stride even, as q is read in pairs of dims);
-// caches [KVH, NB, BS, D] with BS a multiple of 16; tables [P, max_blocks]; q_start, q_len, ctx [P]
-// int64. Returns false (nothing done) when this build or these shapes have no fast path: the caller
-// then uses its own.
+// caches [KVH, NB, BS, D] bf16, int8 or fp8 e4m3 (with their scales) with BS a multiple of 16; tables
+// [P, max_blocks]; q_start, q_len, ctx [P] int64. Returns false (nothing done) when this build or these
+// shapes have no fast path: the caller then uses its own.
 bool paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
-                   torch::Tensor q_start, torch::Tensor q_len, torch::Tensor ctx, double scale, torch::Tensor out) {
+                   torch::Tensor q_start, torch::Tensor q_len, torch::Tensor ctx, double scale, torch::Tensor out,
+                   std::optional<torch::Tensor> k_scale, std::optional<torch::Tensor> v_scale) {
 #ifdef PDSERVE_HAVE_AVX512BF16
+  const auto [ks, vs] = cache_scales(k_cache, v_cache, k_scale, v_scale);
   const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(0), BS = k_cache.size(2);
   const auto rows_ok = [&](const torch::Tensor& t) { return t.stride(2) == 1 && t.stride(1) == D && t.stride(0) % 2 == 0; };
-  if (!prefill_fast_path(q.scalar_type() == torch::kBFloat16, H, KVH, D, BS) || out.scalar_type() != torch::kBFloat16 ||
+  const bool bf16 = q.scalar_type() == torch::kBFloat16 &&
+                    (k_cache.scalar_type() == torch::kBFloat16 || is_quantized(k_cache));
+  if (!prefill_fast_path(bf16, H, KVH, D, BS) || out.scalar_type() != torch::kBFloat16 ||
       !rows_ok(q) || !rows_ok(out) || !k_cache.is_contiguous() || !v_cache.is_contiguous())
     return false;
   tables = tables.to(torch::kInt64).contiguous();
   q_start = q_start.to(torch::kInt64).contiguous();
   q_len = q_len.to(torch::kInt64).contiguous();
   ctx = ctx.to(torch::kInt64).contiguous();
-  auto args = std::make_tuple(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
-                              v_cache.data_ptr<at::BFloat16>(), tables.data_ptr<int64_t>(), tables.size(1),
-                              q_start.data_ptr<int64_t>(), q_len.data_ptr<int64_t>(), ctx.data_ptr<int64_t>(),
-                              tables.size(0), out.data_ptr<at::BFloat16>(), H, KVH, k_cache.size(1), BS,
-                              static_cast<float>(scale), q.stride(0), out.stride(0));
-  with_shape(H / KVH, D, [&](auto d, auto g) { std::apply(prefill_bf16<decltype(d)::value, decltype(g)::value>, args); });
+  with_rows(k_cache.scalar_type(), [&](auto rows) {
+    using R = decltype(rows);
+    using T = typename R::T;
+    auto args = std::make_tuple(q.data_ptr<at::BFloat16>(), static_cast<const T*>(k_cache.data_ptr()),
+                                static_cast<const T*>(v_cache.data_ptr()), ks, vs, tables.data_ptr<int64_t>(),
+                                tables.size(1), q_start.data_ptr<int64_t>(), q_len.data_ptr<int64_t>(),
+                                ctx.data_ptr<int64_t>(), tables.size(0), out.data_ptr<at::BFloat16>(), H, KVH,
+                                k_cache.size(1), BS, static_cast<float>(scale), q.stride(0), out.stride(0));
+    with_shape(H / KVH, D, [&](auto d, auto g) { std::apply(prefill_avx512<decltype(d)::value, decltype(g)::value, R>, args); });
+  });
   return true;
 #else
   return false;
@@ -520,13 +907,19 @@ bool paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
 // Writes each token's new K and V rows into the caches: k, v [T, KVH, D] (rows may be strided: views
 // into the fused QKV projection), caches [KVH, NB, BS, D] contiguous, slots [T] int64 (block * BS +
 // offset). One copy per (token, head) row; the same as two index_copy_ calls, without their dispatch
-// and per-call setup (~40 us each, 60 a step).
-void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
+// and per-call setup (~40 us each, 60 a step). An int8 or fp8 e4m3 cache quantizes each row on the way
+// (kv/quant.py's rounding, bit for bit) and writes its scale into k_scale / v_scale [KVH, NB, BS].
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+              std::optional<torch::Tensor> k_scale, std::optional<torch::Tensor> v_scale) {
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "bad shapes");
   TORCH_CHECK(k.device().is_cpu() && k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous CPU tensors");
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type() &&
-                  v_cache.scalar_type() == k_cache.scalar_type(), "k, v and cache dtypes differ");
+  const auto [ks, vs] = cache_scales(k_cache, v_cache, k_scale, v_scale);
+  const bool quantized = ks != nullptr;
+  TORCH_CHECK(v.scalar_type() == k.scalar_type() && (quantized || k.scalar_type() == k_cache.scalar_type()),
+              "k, v and cache dtypes differ");
+  TORCH_CHECK(!quantized || k.scalar_type() == torch::kBFloat16 || k.scalar_type() == torch::kFloat32,
+              "a quantized cache takes bfloat16 or float32 rows");
   const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2), slots_per_head = k_cache.size(1) * k_cache.size(2);
   TORCH_CHECK(k_cache.size(0) == KVH && k_cache.size(3) == D && k.stride(2) == 1 && v.stride(2) == 1, "head layout mismatch");
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == T, "one slot per token");
@@ -534,6 +927,30 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(slot[t] >= 0 && slot[t] < slots_per_head, "slot ", slot[t], " out of range");
+  if (quantized) {
+    const auto run = [&](auto in_elem, auto cache_elem) {
+      using In = decltype(in_elem);
+      using C = decltype(cache_elem);
+      const In* kp = static_cast<const In*>(k.data_ptr());
+      const In* vp = static_cast<const In*>(v.data_ptr());
+      C* kc = static_cast<C*>(k_cache.data_ptr());
+      C* vc = static_cast<C*>(v_cache.data_ptr());
+      at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {  // a decode step's rows: inline, no fork
+        for (int64_t t = t0; t < t1; ++t)
+          for (int64_t h = 0; h < KVH; ++h) {
+            const int64_t row = h * slots_per_head + slot[t];
+            quantize_into(kp + t * k.stride(0) + h * k.stride(1), D, kc + row * D, ks + row);
+            quantize_into(vp + t * v.stride(0) + h * v.stride(1), D, vc + row * D, vs + row);
+          }
+      });
+    };
+    const bool in_bf16 = k.scalar_type() == torch::kBFloat16, to_int8 = k_cache.scalar_type() == torch::kChar;
+    if (in_bf16 && to_int8) run(at::BFloat16{}, int8_t{});
+    else if (in_bf16) run(at::BFloat16{}, at::Float8_e4m3fn{});
+    else if (to_int8) run(float{}, int8_t{});
+    else run(float{}, at::Float8_e4m3fn{});
+    return;
+  }
   const int64_t esize = k.element_size(), row = D * esize;
   const char* kp = static_cast<const char*>(k.data_ptr());
   const char* vp = static_cast<const char*>(v.data_ptr());
@@ -550,9 +967,17 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
-  m.def("paged_prefill", &paged_prefill, "paged causal prefill attention (CPU, bf16)");
-  m.def("write_kv", &write_kv, "new K/V rows into the paged caches by slot");
+  namespace py = pybind11;
+  const auto no_scale = [](const char* name) { return py::arg(name) = py::none(); };
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", py::arg("q"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("table"), py::arg("context_lens"), py::arg("scale"), no_scale("k_scale"),
+        no_scale("v_scale"));
+  m.def("paged_prefill", &paged_prefill, "paged causal prefill attention (CPU, bf16 queries)", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"), py::arg("q_start"), py::arg("q_len"),
+        py::arg("ctx"), py::arg("scale"), py::arg("out"), no_scale("k_scale"), no_scale("v_scale"));
+  m.def("write_kv", &write_kv, "new K/V rows into the paged caches by slot (quantized on the way for int8/fp8)",
+        py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), no_scale("k_scale"),
+        no_scale("v_scale"));
   m.def("decode_fast_path", &decode_fast_path, "whether paged_decode has an AVX-512 BF16 path for (bf16, H, KVH, D)");
   m.def("prefill_fast_path", &prefill_fast_path, "whether paged_prefill has a fast path for (bf16, H, KVH, D, BS)");
 }

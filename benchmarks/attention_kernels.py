@@ -1,0 +1,148 @@
+"""Decode attention per step on a bf16, an int8 and an fp8 e4m3 KV cache, side by side: the cpu-paged
+C++ kernel (what the engine calls) at each context length and batch size, with the bytes each step must
+read from the cache and the GB/s that makes.
+
+    .venv/bin/python benchmarks/attention_kernels.py [--contexts 256,1024,2048,4096,8192] [--batches 1,16,64]
+        [--heads 9 --kv-heads 3 --head-dim 64] [--json results/attention_kernels.json]
+
+Decode is bandwidth-bound: a step reads every running sequence's K and V once. A quantized row is D bytes
+plus a float32 scale instead of 2D bytes (0.53x at head_dim 64), so the int8/fp8 columns should approach
+that ratio of the bf16 time where the cache comes from DRAM. To keep the measurement out of the caches,
+each point cycles through enough layer caches (blocks scattered at random, as a long-running server's
+are) that one pass reads at least `--min-bytes` (capped at `--max-layers`); the time is one layer's
+call, the median over `--steps` passes (`--stat best`: the fastest pass, which drops the passes another
+process interrupted on a busy host), and "step" multiplies it by `--model-layers` (SmolLM2: 30).
+The figures depend on the host and on what else runs on it: measure on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+
+import torch
+
+from pdserve.attention.base import DecodeGroup
+from pdserve.attention.cpu_paged import CpuPagedAttention
+from pdserve.bench.machine import cpu_flags, cpu_name
+from pdserve.kv.cache import LayerCache
+
+KV_DTYPES = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def random_cache(kv_dtype: str, kvh: int, num_blocks: int, block_size: int, head_dim: int) -> LayerCache:
+    """Random contents in the storage dtype, values of a few units as real K/V have (larger ones make
+    softmax weights underflow into denormals, which the CPU handles hundreds of times slower: a benchmark
+    artefact); fp8 without the NaN codes."""
+    shape = (kvh, num_blocks, block_size, head_dim)
+    if kv_dtype == "bf16":
+        return LayerCache(torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16())
+    codes = [torch.randint(-126, 127, shape, dtype=torch.int8) for _ in range(2)]  # no 0x7f / 0xff (fp8 NaN)
+    k, v = (c.view(KV_DTYPES[kv_dtype]) for c in codes)
+    unit = 2.5 / (127.0 if kv_dtype == "int8" else 448.0)  # the largest code is 2.5
+    return LayerCache(k, v, torch.full(shape[:3], unit), torch.full(shape[:3], unit))
+
+
+def bytes_per_call(batch: int, context: int, kvh: int, heads: int, head_dim: int, kv_dtype: str) -> int:
+    """What one layer's decode reads and writes: every context row of K and V (with its scale when
+    quantized), the queries and the output."""
+    row = head_dim * (2 if kv_dtype == "bf16" else 1) + (0 if kv_dtype == "bf16" else 4)
+    return 2 * batch * context * kvh * row + 2 * batch * heads * head_dim * 2
+
+
+def measure(attn: CpuPagedAttention, kv_dtype: str, batch: int, context: int, args: argparse.Namespace) -> dict:
+    kvh, heads, d, bs = args.kv_heads, args.heads, args.head_dim, args.block_size
+    blocks_per_seq = -(-context // bs)
+    num_blocks = batch * blocks_per_seq
+    nbytes = bytes_per_call(batch, context, kvh, heads, d, kv_dtype)
+    layers = max(1, min(args.max_layers, math.ceil(args.min_bytes / nbytes)))
+    g = torch.Generator().manual_seed(0)
+    caches, groups = [], []
+    for _ in range(layers):
+        caches.append(random_cache(kv_dtype, kvh, num_blocks, bs, d))
+        table = torch.randperm(num_blocks, generator=g).view(batch, blocks_per_seq)
+        groups.append(DecodeGroup(0, batch, table, torch.full((batch,), context, dtype=torch.int64), None))  # type: ignore[arg-type]
+    q = torch.randn(batch, heads, d).bfloat16()
+    scale = d**-0.5
+    for cache, group in zip(caches, groups):  # warm-up: page faults, thread pool
+        attn.decode(q, cache, group, scale)
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        for cache, group in zip(caches, groups):
+            attn.decode(q, cache, group, scale)
+        times.append((time.perf_counter() - t0) / layers)
+    t = statistics.median(times) if args.stat == "median" else min(times)
+    return {
+        "kv_dtype": kv_dtype, "batch": batch, "context": context, "layers_cycled": layers,
+        "us_per_layer": t * 1e6, "ms_per_step": t * 1e3 * args.model_layers, "bytes_per_layer": nbytes,
+        "gb_per_s": nbytes / t / 1e9, "us_per_layer_median": statistics.median(times) * 1e6,
+        "us_per_layer_best": min(times) * 1e6,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", default="256,512,1024,2048,4096,8192")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--kv-dtypes", default=",".join(KV_DTYPES))
+    ap.add_argument("--heads", type=int, default=9)
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--model-layers", type=int, default=30, help="layers per model step (SmolLM2-135M: 30)")
+    ap.add_argument("--steps", type=int, default=20, help="timed passes per point")
+    ap.add_argument("--stat", choices=["median", "best"], default="median")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--min-bytes", type=float, default=512e6, help="cache bytes one pass reads at least")
+    ap.add_argument("--max-layers", type=int, default=30)
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    attn = CpuPagedAttention()
+    kv_dtypes = args.kv_dtypes.split(",")
+    paths = {
+        k: attn.kernel_paths(random_cache(k, args.kv_heads, 1, args.block_size, args.head_dim), args.heads)[0]
+        for k in kv_dtypes
+    }
+    print(f"host: {cpu_name()}, {torch.get_num_threads()} threads, "
+          f"{' '.join(f for f, on in cpu_flags().items() if on)}")
+    for k, p in paths.items():
+        print(f"decode {k}: {p}")
+    results = []
+    header = f"{'batch':>5} {'context':>7} " + " ".join(
+        f"{k + ' us':>11} {'GB/s':>6}" + ("" if k == "bf16" else f" {'x bf16':>6}") for k in kv_dtypes
+    )
+    print(header)
+    for batch in map(int, args.batches.split(",")):
+        for context in map(int, args.contexts.split(",")):
+            row = {k: measure(attn, k, batch, context, args) for k in kv_dtypes}
+            results += row.values()
+            cells = []
+            for k, r in row.items():
+                cell = f"{r['us_per_layer']:>11.1f} {r['gb_per_s']:>6.1f}"
+                if k != "bf16" and "bf16" in row:
+                    cell += f" {row['bf16']['us_per_layer'] / r['us_per_layer']:>6.2f}"
+                cells.append(cell)
+            print(f"{batch:>5} {context:>7} " + " ".join(cells), flush=True)
+    print(f"us: one layer's decode call ({args.stat} of {args.steps}); x bf16: the bf16 time over this one "
+          f"(a speed-up); a model step is {args.model_layers} such calls")
+    if args.json:
+        payload = {
+            "host": cpu_name(), "threads": torch.get_num_threads(), "flags": cpu_flags(), "paths": paths,
+            "shape": {"heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+                      "block_size": args.block_size},
+            "results": results,
+        }
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=1)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
