@@ -73,6 +73,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "output does not depend on the batch (slower prompts and large batches)")
     g.add_argument("--kernel-cache-dir", default=None,
                    help="where measured kernel choices are kept (default: ~/.cache/pdserve/autotune; '' for none)")
+    g.add_argument("--weight-dtype", default="auto", choices=["auto", "bfloat16", "int8"],
+                   help="the projections' and output head's weights (auto: the model dtype); int8: per output "
+                   "channel, bf16 activations, CPU only: half the bytes a decode step streams")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -134,6 +137,7 @@ def engine_config(args: argparse.Namespace, num_threads: int | None = None):  # 
         linear_kernel=args.linear_kernel,
         batch_invariant=args.batch_invariant,
         kernel_cache_dir=args.kernel_cache_dir,
+        weight_dtype=args.weight_dtype,
         seed=args.seed,
         speculative=(
             SpeculativeConfig.from_dict(args.speculative_config)

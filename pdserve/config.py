@@ -229,6 +229,9 @@ class EngineConfig:
     # it; batch_invariant pins one row-independent kernel instead (slower for prompts and big batches).
     batch_invariant: bool = False
     kernel_cache_dir: str | None = None  # measured kernel choices (model/autotune.py); None: the default, "": none
+    # auto | bfloat16 | int8: the projections' and output head's weights; int8 = per output channel,
+    # symmetric, bf16 activations, CPU only (model/linear.py); auto = the model dtype.
+    weight_dtype: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
