@@ -38,7 +38,9 @@ def streamed_bytes(model, rows: int) -> int:  # type: ignore[no-untyped-def]
     total = 0
     for ps in plan.packed.values():
         for p in ps:
-            k = p.kernels[min(bisect_left(p.bounds, rows), len(p.kernels) - 1)] if isinstance(p, BucketedLinear) else p
+            k = p
+            if isinstance(p, BucketedLinear):
+                k = p.kernels[min(bisect_left(p.bounds, rows), len(p.kernels) - 1)]
             total += resident_bytes(k.weight_tensors())
     return total
 
@@ -116,9 +118,9 @@ def main() -> None:
             if wd == "int8":
                 speedups[b] = r["tok_per_s"] / by[("bfloat16", b)]["tok_per_s"]
                 ratio = f"{speedups[b]:.2f}x"
-            print(f"{b:>5} {wd:>8} {r['step_ms']:>8.2f} {r['tok_per_s']:>8.1f} {r['weight_bytes_per_step'] / 1e6:>9.1f} "
-                  f"{r['weight_gb_per_s']:>7.1f} {100 * r['fraction_of_dram']:>5.0f}% {r['weight_roof_tok_per_s']:>10.1f} "
-                  f"{ratio:>9}")
+            print(f"{b:>5} {wd:>8} {r['step_ms']:>8.2f} {r['tok_per_s']:>8.1f} "
+                  f"{r['weight_bytes_per_step'] / 1e6:>9.1f} {r['weight_gb_per_s']:>7.1f} "
+                  f"{100 * r['fraction_of_dram']:>5.0f}% {r['weight_roof_tok_per_s']:>10.1f} {ratio:>9}")
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:

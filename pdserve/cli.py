@@ -75,7 +75,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="where measured kernel choices are kept (default: ~/.cache/pdserve/autotune; '' for none)")
     g.add_argument("--weight-dtype", default="auto", choices=["auto", "bfloat16", "int8"],
                    help="the projections' and output head's weights (auto: the model dtype); int8: per output "
-                   "channel, bf16 activations, CPU only: half the bytes a decode step streams")
+                   "channel, bf16 activations, CPU only: half the bytes a decode step streams; --linear-kernel then "
+                   "names pdserve's int8 kernel, torch = ATen's _weight_int8pack_mm, onednn = dequantize + oneDNN")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -296,7 +296,8 @@ class LinearPlan:
     weight_dtype: str = "bfloat16"
 
     def weight_tensors(self) -> list[torch.Tensor]:
-        return [t for ps in self.packed.values() for p in ps for t in p.weight_tensors()]  # type: ignore[attr-defined]
+        kernels = [p for ps in self.packed.values() for p in ps]
+        return [t for p in kernels for t in p.weight_tensors()]  # type: ignore[attr-defined]
 
     def describe(self) -> str:
         weights = "bf16" if self.weight_dtype == "bfloat16" else "int8-weight"
@@ -416,7 +417,8 @@ def pack_cpu_linears(
                            "fastest at decode sizes, whose rows may still round differently with the batch")
     if len(candidates) == 1:
         pinned = candidates[0]
-        return LinearPlan(pack_cpu_linears(weights, pinned, kernels=kernels).packed, pinned, weight_dtype=weight_dtype)
+        packed = pack_cpu_linears(weights, pinned, kernels=kernels).packed
+        return LinearPlan(packed, pinned, weight_dtype=weight_dtype)
 
     key = tune_key(weights, candidates, buckets)
     path = autotune.cache_path(cache_dir, "linear", key) if cache_dir else None

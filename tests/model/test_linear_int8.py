@@ -131,7 +131,8 @@ def fake_int8_kernels(clock: FakeClock, cost, served: list):
 
 
 def int8_weights() -> dict[str, list[Int8Weight]]:
-    return {"qkv": [quantize_int8(rand(96, 64, seed=i)) for i in range(3)], "head": [quantize_int8(rand(130, 64, seed=9))]}
+    qkv = [quantize_int8(rand(96, 64, seed=i)) for i in range(3)]
+    return {"qkv": qkv, "head": [quantize_int8(rand(130, 64, seed=9))]}
 
 
 def test_auto_dispatches_int8_kernels_by_rows():
@@ -145,7 +146,8 @@ def test_auto_dispatches_int8_kernels_by_rows():
 
     clock, served = FakeClock(), []
     ws = int8_weights()
-    plan = pack_cpu_linears(ws, "auto", buckets=(1, 4, 16, 64), timer=clock, kernels=fake_int8_kernels(clock, cost, served))
+    kernels = fake_int8_kernels(clock, cost, served)
+    plan = pack_cpu_linears(ws, "auto", buckets=(1, 4, 16, 64), timer=clock, kernels=kernels)
     assert plan.weight_dtype == "int8" and "int8" in plan.describe()
     assert plan.table is not None and plan.table.winners("qkv") == [small, small, large, large]
     lin = plan.packed["qkv"][1]
