@@ -4,16 +4,21 @@
 //
 // Q is packed once into the bf16 kernel's layout (linear_bf16.cpp) at one byte per element:
 // 32-column panels of k pairs, [N/32][K/2][32][2] int8, so one k pair of a panel is 64 contiguous bytes.
-// Each such slice is widened in registers (int8 -> int32 -> fp32 -> bf16: exact, |q| <= 127 fits bf16's 8
-// significant bits) into the two bf16 vectors that `vdpbf16ps` takes as they are, and shared by up to 12
-// rows of x (24 fp32 accumulators). The per-channel scale multiplies the fp32 sums once at the end. W is
-// prefetched 8 KB ahead in the panel; rows come in blocks of 192 that stay in L2 (as in the bf16 kernel).
+// Each such slice is widened (int8 -> int32 -> fp32 -> bf16: exact, |q| <= 127 fits bf16's 8 significant
+// bits) into the two bf16 vectors that `vdpbf16ps` takes as they are, and shared by up to 12 rows of x
+// (24 fp32 accumulators). With one row tile (<= 12 rows: decode) the widening happens in registers as Q
+// streams in; with more, each panel is widened once into an L2-resident bf16 scratch that all the
+// block's row tiles read (widening per tile would make the kernel compute-bound: 10 ops per 64 bytes).
+// The per-channel scale multiplies the fp32 sums once at the end. Q is prefetched 8 KB ahead in the
+// panel; rows come in blocks of 192 that stay in L2 (as in the bf16 kernel).
 // Accumulation order per output element is fixed, so a row's result does not depend on the other rows.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <memory>
 
 namespace {
 constexpr int64_t kPanel = 32;       // output columns per panel (two vectors)
@@ -43,16 +48,45 @@ inline __m512bh widen(const int8_t* q) {
   return _mm512_cvtne2ps_pbh(hi, lo);
 }
 
-// Rows [0, R) of x (int32 = one bf16 k pair, row stride xs) against one panel `q` (KP k pairs x 64 bytes),
-// to o as bf16 after scaling by s (the panel's 32 scales; columns masked by keep0/keep1 on a partial panel).
-template <int R>
-void tile(const int32_t* x, int64_t xs, const int8_t* q, int64_t KP, const float* s, at::BFloat16* o, int64_t os,
+// Where a tile reads its bf16 weight vectors from: the int8 panel itself, widened on the fly (one row
+// tile per panel: decode), or a bf16 copy of the panel widened once for all the block's row tiles.
+struct FromInt8 {
+  const int8_t* q;
+  inline void load(int64_t kp, __m512bh& w0, __m512bh& w1) const {
+    _mm_prefetch(reinterpret_cast<const char*>(q + 64 * (kp + kPrefetch)), _MM_HINT_T0);
+    w0 = widen(q + 64 * kp);
+    w1 = widen(q + 64 * kp + 32);
+  }
+};
+
+struct FromBf16 {
+  const __m512i* w;
+  inline void load(int64_t kp, __m512bh& w0, __m512bh& w1) const {
+    w0 = (__m512bh)_mm512_load_si512(w + 2 * kp);
+    w1 = (__m512bh)_mm512_load_si512(w + 2 * kp + 1);
+  }
+};
+
+// A panel's KP k pairs widened to bf16 into `out` (2 vectors per k pair): K * 64 bytes, in L2.
+inline void widen_panel(const int8_t* q, int64_t KP, __m512i* out) {
+  for (int64_t kp = 0; kp < KP; ++kp) {
+    _mm_prefetch(reinterpret_cast<const char*>(q + 64 * (kp + kPrefetch)), _MM_HINT_T0);
+    _mm512_store_si512(out + 2 * kp, (__m512i)widen(q + 64 * kp));
+    _mm512_store_si512(out + 2 * kp + 1, (__m512i)widen(q + 64 * kp + 32));
+  }
+}
+
+// Rows [0, R) of x (int32 = one bf16 k pair, row stride xs) against one panel (KP k pairs), to o as bf16
+// after scaling by s (the panel's 32 scales; columns masked by keep0/keep1 on a partial last panel). The
+// same arithmetic whichever `W` supplies the weights, so a row's bits do not depend on the path.
+template <int R, class W>
+void tile(const int32_t* x, int64_t xs, const W& w, int64_t KP, const float* s, at::BFloat16* o, int64_t os,
           __mmask16 keep0, __mmask16 keep1) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < KP; ++kp) {
-    _mm_prefetch(reinterpret_cast<const char*>(q + 64 * (kp + kPrefetch)), _MM_HINT_T0);
-    const __m512bh w0 = widen(q + 64 * kp), w1 = widen(q + 64 * kp + 32);
+    __m512bh w0, w1;
+    w.load(kp, w0, w1);
     for (int r = 0; r < R; ++r) {
       const __m512bh xb = (__m512bh)_mm512_set1_epi32(x[r * xs + kp]);
       acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xb);
@@ -66,13 +100,13 @@ void tile(const int32_t* x, int64_t xs, const int8_t* q, int64_t KP, const float
   }
 }
 
-template <int R>
-void run_tile(const int32_t* x, int64_t xs, const int8_t* q, int64_t KP, const float* s, at::BFloat16* o, int64_t os,
+template <int R, class W>
+void run_tile(const int32_t* x, int64_t xs, const W& w, int64_t KP, const float* s, at::BFloat16* o, int64_t os,
               __mmask16 k0, __mmask16 k1, int64_t rows) {
   if constexpr (R > 1) {
-    if (rows < R) return run_tile<R - 1>(x, xs, q, KP, s, o, os, k0, k1, rows);
+    if (rows < R) return run_tile<R - 1>(x, xs, w, KP, s, o, os, k0, k1, rows);
   }
-  tile<R>(x, xs, q, KP, s, o, os, k0, k1);
+  tile<R>(x, xs, w, KP, s, o, os, k0, k1);
 }
 
 }  // namespace
@@ -118,15 +152,26 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
   at::BFloat16* o = out.data_ptr<at::BFloat16>();
   const int64_t blocks = (M + kBlockRows - 1) / kBlockRows;
   at::parallel_for(0, blocks * panels, 1, [&](int64_t i0, int64_t i1) {
+    // A block of more rows than one tile widens each panel once, into this thread's scratch.
+    std::unique_ptr<__m512i[], decltype(&std::free)> scratch(nullptr, &std::free);
+    if (M > kMaxRows) scratch.reset(static_cast<__m512i*>(std::aligned_alloc(64, KP * 2 * sizeof(__m512i))));
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / panels, p = i % panels, first = b * kBlockRows, rows = std::min(kBlockRows, M - first);
       const int64_t cols = std::min(kPanel, n - p * kPanel);
       const auto k0 = static_cast<__mmask16>((1u << std::min<int64_t>(cols, 16)) - 1u);
       const auto k1 = static_cast<__mmask16>(cols > 16 ? (1u << (cols - 16)) - 1u : 0u);
       const int64_t tiles = (rows + kMaxRows - 1) / kMaxRows, base = rows / tiles, extra = rows % tiles;
+      const int8_t* qp = q + p * KP * 64;
+      if (tiles == 1) {
+        run_tile<kMaxRows>(xp + first * xs, xs, FromInt8{qp}, KP, s + p * kPanel, o + first * n + p * kPanel, n, k0,
+                           k1, rows);
+        continue;
+      }
+      widen_panel(qp, KP, scratch.get());
       for (int64_t t = 0, m0 = first; t < tiles; ++t) {
         const int64_t r = base + (t < extra ? 1 : 0);
-        run_tile<kMaxRows>(xp + m0 * xs, xs, q + p * KP * 64, KP, s + p * kPanel, o + m0 * n + p * kPanel, n, k0, k1, r);
+        run_tile<kMaxRows>(xp + m0 * xs, xs, FromBf16{scratch.get()}, KP, s + p * kPanel, o + m0 * n + p * kPanel, n,
+                           k0, k1, r);
         m0 += r;
       }
     }
