@@ -14,7 +14,8 @@ With 8-bit weights (`--weight-dtype int8`: `Int8Weight`, W ~ scale[n] * Q[n, :],
 channel, half the bytes a decode step streams) the same three names mean:
 
 - `Int8DotLinear` ("pdserve"): `csrc/linear_int8.cpp`, the bf16 kernel's layout at one byte per weight,
-  widened to bf16 in registers; row-independent like its bf16 sibling.
+  widened to bf16 in registers as it streams (one row tile) or once per panel into L2 (several);
+  row-independent like its bf16 sibling.
 - `AtenInt8Linear` ("torch"): ATen's `_weight_int8pack_mm` (bf16 x int8, per-channel bf16 scales),
   on Q itself (no copy). It needs K % 16 == 0 (it crashes otherwise: checked before packing).
 - `DequantOneDnnLinear` ("onednn"): each call widens Q to bf16 (exact) and runs `F.linear` (oneDNN, AMX

@@ -68,6 +68,8 @@ def test_each_kernel_matches_the_reference_at_every_bucket(name, n, k):
         # bf16 themselves): well inside 2^-7 of the output plus a little absolute slack near zero.
         scale = ref.abs().amax()
         torch.testing.assert_close(got.float(), ref, rtol=8e-3, atol=2e-3 * float(scale))
+    wide = rand(5, 3 * k, seed=1).bfloat16()
+    assert torch.equal(lin(wide[:, k : 2 * k]), lin(wide[:, k : 2 * k].contiguous()))  # rows 3k apart
 
 
 @pytest.mark.parametrize("name", list(KERNELS))
