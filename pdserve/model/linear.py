@@ -449,7 +449,8 @@ def pack_cpu_linears(
         runs[-1] = (math.inf, runs[-1][1])  # type: ignore[assignment]  # the last run serves every larger count
         ops_packed = []
         for w in ws:
-            ks = [kernels[name](w) for _, name in runs]
+            once = {name: kernels[name](w) for name in dict.fromkeys(name for _, name in runs)}  # one copy each
+            ks = [once[name] for _, name in runs]
             ops_packed.append(ks[0] if len(ks) == 1 else BucketedLinear([b for b, _ in runs], ks))
         packed[op] = ops_packed
     return LinearPlan(packed, "auto", table, path, hit, weight_dtype)
