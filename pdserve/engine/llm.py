@@ -49,7 +49,9 @@ class LLM:
     ) -> None:
         """`model` is a .gguf file or a Hugging Face directory (None: the bundled SmolLM2-135M-Instruct).
         `model_config` + `weights` (+ `tokenizer`) build an engine from in-memory weights instead (tests).
-        `speculative_config`: speculative decoding in vLLM's convention (see `SpeculativeConfig`)."""
+        `speculative_config`: speculative decoding in vLLM's convention (see `SpeculativeConfig`).
+        `weight_dtype="int8"`: the projections and output head quantized per output channel (CPU, bf16
+        activations; docs/architecture.md, "8-bit weights")."""
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig.from_dict(speculative_config)
         config = EngineConfig(
