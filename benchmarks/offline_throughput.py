@@ -150,13 +150,15 @@ def main() -> None:
     ap.add_argument("--linear-kernel", default="auto", help="auto | pdserve | onednn | torch (A/B of model/linear.py)")
     ap.add_argument("--batch-invariant", action="store_true", help="one row-independent kernel for all row counts")
     ap.add_argument("--kernel-cache-dir", default=None, help="measured kernel choices (default ~/.cache/pdserve; '' none)")
+    ap.add_argument("--weight-dtype", default="auto", help="auto | bfloat16 | int8 (8-bit projections and head)")
     ap.add_argument("--out", default="results/offline_throughput.json")
     args = ap.parse_args()
 
     llm = LLM(model=args.model, dtype=args.dtype, scheduler=args.scheduler, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=args.kv_cache_memory_gb,
               kv_cache_dtype=args.kv_cache_dtype, fused_cpu_ops=not args.no_fused_ops, linear_kernel=args.linear_kernel,
-              batch_invariant=args.batch_invariant, kernel_cache_dir=args.kernel_cache_dir)
+              batch_invariant=args.batch_invariant, kernel_cache_dir=args.kernel_cache_dir,
+              weight_dtype=args.weight_dtype)
     plan = llm.engine.model.linear_plan
     print(plan.describe() if plan is not None else "bf16 linear kernels: none packed (plain F.linear)")
     tok = llm.engine.tokenizer

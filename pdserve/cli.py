@@ -18,6 +18,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         LINEAR_KERNELS,
         PREEMPTION_MODES,
         SCHEDULER_POLICIES,
+        WEIGHT_DTYPES,
         CacheConfig,
         EngineConfig,
         SchedulerConfig,
@@ -75,6 +76,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "output does not depend on the batch (slower prompts and large batches)")
     arg(g, "--kernel-cache-dir", EngineConfig, "kernel_cache_dir",
         help="where measured kernel choices are kept (default: ~/.cache/pdserve/autotune; '' for none)")
+    arg(g, "--weight-dtype", EngineConfig, "weight_dtype", choices=WEIGHT_DTYPES,
+        help="the projections' and output head's weights (auto: the model dtype); int8: per output "
+        "channel, bf16 activations, CPU only: half the bytes a decode step streams; --linear-kernel then "
+        "names pdserve's int8 kernel, torch = ATen's _weight_int8pack_mm, onednn = dequantize + oneDNN")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -140,6 +145,7 @@ def engine_config(args: argparse.Namespace, num_threads: int | None = None):  # 
         linear_kernel=args.linear_kernel,
         batch_invariant=args.batch_invariant,
         kernel_cache_dir=args.kernel_cache_dir,
+        weight_dtype=args.weight_dtype,
         seed=args.seed,
         speculative=(
             SpeculativeConfig.from_dict(args.speculative_config)

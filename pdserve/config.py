@@ -123,6 +123,7 @@ KV_TRANSFER_BACKENDS = ("inproc", "shm", "tcp", "torch.distributed")
 ATTENTION_BACKENDS = ("torch", "torch-compiled", "cpu-paged")  # and "auto": see LLMEngine
 LINEAR_KERNELS = ("auto", "pdserve", "onednn", "torch")
 ROUTER_POLICIES = ("round-robin", "least-outstanding-tokens", "least-kv-usage")
+WEIGHT_DTYPES = ("auto", "bfloat16", "int8")  # auto: the model dtype; int8: model/linear.py
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 (engine/llm_engine.py resolve_dtype)
 
 
@@ -277,6 +278,9 @@ class EngineConfig:
     # it; batch_invariant pins one row-independent kernel instead (slower for prompts and big batches).
     batch_invariant: bool = False
     kernel_cache_dir: str | None = None  # measured kernel choices (model/autotune.py); None: the default, "": none
+    # auto | bfloat16 | int8: the projections' and output head's weights; int8 = per output channel,
+    # symmetric, bf16 activations, CPU only (model/linear.py); auto = the model dtype.
+    weight_dtype: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
@@ -292,6 +296,8 @@ class EngineConfig:
             )
         if self.linear_kernel not in LINEAR_KERNELS:
             raise ValueError(f"unknown linear kernel {self.linear_kernel!r}; choose from {list(LINEAR_KERNELS)}")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"unknown weight dtype {self.weight_dtype!r}; choose from {list(WEIGHT_DTYPES)}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
 

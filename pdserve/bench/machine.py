@@ -125,7 +125,10 @@ def kernel_ab(
     shape = {op: (int(ws[0].shape[0]), int(ws[0].shape[1]), len(ws)) for op, ws in weights.items()}
     layer_ops = [op for op in shape if op not in head_ops]
     macs = sum(shape[op][0] * shape[op][1] * shape[op][2] for op in layer_ops)
-    wbytes = sum(ws[0].element_size() * math.prod(shape[op]) for op, ws in weights.items())
+    from pdserve.model.linear import Int8Weight
+
+    int8 = isinstance(next(iter(weights.values()))[0], Int8Weight)
+    wbytes = sum((1 if int8 else ws[0].element_size()) * math.prod(shape[op]) for op, ws in weights.items())
     chosen = table.chosen_seconds()
     per_rows = []
     for i, m in enumerate(table.buckets):
@@ -144,6 +147,7 @@ def kernel_ab(
             "fraction_of_dram_bandwidth": wbytes / chosen[i] / dram_bandwidth if dram_bandwidth else None,
         })
     return {"ops": {op: list(v) for op, v in shape.items()}, "weight_bytes": wbytes, "rows": per_rows,
+            "weight_dtype": "int8" if int8 else "bfloat16",
             "table": table.to_json()}
 
 
@@ -197,7 +201,8 @@ def format_report(r: Mapping) -> str:
         ops = list(k["ops"])
         cands = list(k["table"]["order"])
         lines.append("")
-        lines.append(f"bf16 projections of {r['model'] or 'the model'}: " + ", ".join(
+        wd = "int8-weight" if k.get("weight_dtype") == "int8" else "bf16"
+        lines.append(f"{wd} projections of {r['model'] or 'the model'}: " + ", ".join(
             f"{op} {n}x{kk} x{c}" for op, (n, kk, c) in k["ops"].items()) + f"; {k['weight_bytes'] / 1e6:.0f} MB")
         lines.append("ms per full pass (each weight cold), the winner per op; with the winners: the layer projections'")
         lines.append("GFLOP/s and % of the bf16 roof (prompt chunks), weights streamed GB/s and % of DRAM BW (decode)")

@@ -42,6 +42,7 @@ class LLM:
         linear_kernel: str = _default(EngineConfig, "linear_kernel"),
         batch_invariant: bool = _default(EngineConfig, "batch_invariant"),
         kernel_cache_dir: str | None = None,
+        weight_dtype: str = _default(EngineConfig, "weight_dtype"),
         seed: int = _default(EngineConfig, "seed"),
         speculative_config: dict[str, object] | SpeculativeConfig | None = None,
         model_config: ModelConfig | None = None,
@@ -51,7 +52,9 @@ class LLM:
         """`model` is a .gguf file or a Hugging Face directory (None: the bundled SmolLM2-135M-Instruct).
         `model_config` + `weights` (+ `tokenizer`) build an engine from in-memory weights instead (tests).
         `kv_cache_dtype`: how K/V are stored ("auto" = the model's dtype; "int8", "fp8_e4m3" quantized).
-        `speculative_config`: speculative decoding in vLLM's convention (see `SpeculativeConfig`)."""
+        `speculative_config`: speculative decoding in vLLM's convention (see `SpeculativeConfig`).
+        `weight_dtype="int8"`: the projections and output head quantized per output channel (CPU, bf16
+        activations; docs/architecture.md, "8-bit weights")."""
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig.from_dict(speculative_config)
         config = EngineConfig(
@@ -64,6 +67,7 @@ class LLM:
             linear_kernel=linear_kernel,
             batch_invariant=batch_invariant,
             kernel_cache_dir=kernel_cache_dir,
+            weight_dtype=weight_dtype,
             seed=seed,
             speculative=speculative_config,
             cache=CacheConfig(

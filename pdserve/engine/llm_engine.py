@@ -103,12 +103,18 @@ class LLMEngine(EngineLoop):
             self.model_name = "random"
         self.model_config: ModelConfig = model_config
         self.tokenizer = tokenizer
+        int8 = self._check_weight_dtype(config.weight_dtype)
         model = LlamaModel(model_config)
         model.load_hf_weights(weights)
+        if int8:
+            model.quantize_linears()  # from the float32 weights, before the cast; frees the float copies
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.inv_freq = self.model.inv_freq.float()
         if self.model.prepack_for_cpu(config.linear_kernel, config.batch_invariant, config.autotune_dir):
             logger.info("%s", self.model.linear_plan.describe())
+            wb = self.model.weight_bytes()
+            logger.info("weights resident: %.1f MB (projections and head %.1f MB as packed, the rest %.1f MB)",
+                        wb["total"] / 1e6, wb["linears"] / 1e6, wb["other"] / 1e6)
         if config.fused_cpu_ops:
             self.model.use_fused_cpu_ops()
         del weights
@@ -160,6 +166,22 @@ class LLMEngine(EngineLoop):
             num_blocks, cc.block_size, self.kv_cache.nbytes, self.kv_cache.nbytes / (1 << 30), num_host_blocks,
             sc.policy, sc.preemption_mode, attn.name,
         )
+
+    def _check_weight_dtype(self, weight_dtype: str) -> bool:
+        """Whether the projections run from int8 weights; a clear error where they cannot."""
+        from pdserve.config import WEIGHT_DTYPES
+
+        if weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"unknown weight dtype {weight_dtype!r}; choose from {list(WEIGHT_DTYPES)}")
+        if weight_dtype == "bfloat16" and self.dtype != torch.bfloat16:
+            raise ValueError(f"weight dtype bfloat16 needs dtype bfloat16 (or auto), not {self.dtype}")
+        if weight_dtype != "int8":
+            return False
+        if self.device.type != "cpu":
+            raise ValueError(f"int8 weights run on the CPU only (device is {self.device})")
+        if self.dtype != torch.bfloat16:
+            raise ValueError(f"int8 weights need bf16 activations: dtype bfloat16 (or auto), not {self.dtype}")
+        return True
 
     @property
     def runner(self) -> ModelRunner:

@@ -1,4 +1,4 @@
-"""The layer projections' fast paths on CPU (bf16), behind one call: `packed(x) == x @ W.T`.
+"""The layer projections' fast paths on CPU (bf16 activations), behind one call: `packed(x) == x @ W.T`.
 
 - `Bf16DotLinear`: pdserve's kernel (`csrc/linear_bf16.cpp`): W packed into 32-column panels of k
   pairs for AVX-512 BF16 dot products, 12-row register tiles, W prefetched 8 KB ahead, rows in blocks
@@ -10,10 +10,23 @@
   so a row's rounding, changes with the row count.
 - `TorchLinear`: plain `F.linear` on the unpacked weight (no extra memory).
 
+With 8-bit weights (`--weight-dtype int8`: `Int8Weight`, W ~ scale[n] * Q[n, :], symmetric per output
+channel, half the bytes a decode step streams) the same three names mean:
+
+- `Int8DotLinear` ("pdserve"): `csrc/linear_int8.cpp`, the bf16 kernel's layout at one byte per weight,
+  widened to bf16 in registers as it streams (one row tile) or once per panel into L2 (several);
+  row-independent like its bf16 sibling.
+- `AtenInt8Linear` ("torch"): ATen's `_weight_int8pack_mm` (bf16 x int8, per-channel bf16 scales),
+  on Q itself (no copy). It needs K % 16 == 0 (it crashes otherwise: checked before packing).
+- `DequantOneDnnLinear` ("onednn"): each call widens Q to bf16 (exact) and runs `F.linear` (oneDNN, AMX
+  where present), scaling the output: for prompt-sized row counts, where the GEMM is compute-bound and
+  one widening of W is cheap next to it.
+
 `pack_cpu_linears` packs a model's projections: a named kernel for every row count, or ("auto") the
 kernel measured fastest per row bucket on this host (`autotune.py`; cached on disk), dispatched by
-`BucketedLinear` with one bisect on the row count. The plain weights stay on the layer (loading,
-tests), so packing costs one more copy of the projection weights per kernel that wins a bucket.
+`BucketedLinear` with one bisect on the row count. With bf16 weights the plain weights stay on the
+layer (loading, tests), so packing costs one more copy of the projection weights per kernel that wins a
+bucket; with int8 the model frees its float copies (`LlamaModel.quantize_linears`).
 
 """
 
@@ -26,7 +39,7 @@ import math
 import os
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,24 +47,25 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.model import autotune
+from pdserve.config import WEIGHT_DTYPES  # noqa: F401  (re-exported; auto = bfloat16, the model's dtype)
 from pdserve.model.autotune import ROW_BUCKETS, TuneTable
 
 logger = logging.getLogger(__name__)
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "linear_bf16.cpp")
+_SOURCE_INT8 = os.path.join(os.path.dirname(__file__), "csrc", "linear_int8.cpp")
 
 PackedLinear = Callable[[torch.Tensor], torch.Tensor]
 LINEAR_KINDS = ("auto", "pdserve", "onednn", "torch")
-ROW_INDEPENDENT = ("pdserve",)  # kernels whose rows do not depend on the batch (tests/model/test_linear.py)
+ROW_INDEPENDENT = ("pdserve",)  # kernels whose rows do not depend on the batch (tests/model/test_linear*.py)
 
 
-@functools.cache
-def _kernel() -> Any:
+def _build(name: str, source: str) -> Any:
     from torch.utils.cpp_extension import load
 
     ext = load(
-        name="pdserve_linear_bf16",
-        sources=[_SOURCE],
+        name=name,
+        sources=[source],
         extra_cflags=["-O3", "-march=native", "-fopenmp"],  # -fopenmp: at::parallel_for (see cpu_paged.py)
         extra_ldflags=["-fopenmp"],
         verbose=False,
@@ -59,6 +73,39 @@ def _kernel() -> Any:
     if not ext.available():
         raise RuntimeError("this CPU/compiler has no AVX-512 BF16")
     return ext
+
+
+@functools.cache
+def _kernel() -> Any:
+    return _build("pdserve_linear_bf16", _SOURCE)
+
+
+@functools.cache
+def _kernel_int8() -> Any:
+    return _build("pdserve_linear_int8", _SOURCE_INT8)
+
+
+@dataclass(frozen=True, slots=True)
+class Int8Weight:
+    """A weight quantized per output channel, symmetric: W[n, :] ~ scale[n] * q[n, :], |q| <= 127."""
+
+    q: torch.Tensor  # [N, K] int8
+    scale: torch.Tensor  # [N] float32
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+
+def quantize_int8(w: torch.Tensor) -> Int8Weight:
+    """Per-channel symmetric int8 (scale = max|row| / 127, round to nearest), computed in float32 from
+    whatever `w` holds (the loader's float32, so a GGUF Q8_0 tensor is requantized without a bf16 detour).
+    Every element's error is at most scale / 2; an all-zero row gets scale 1."""
+    w = w.detach().float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return Int8Weight(q, scale)
 
 
 class Bf16DotLinear:
@@ -70,6 +117,9 @@ class Bf16DotLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._ext.linear(x, self.packed, self.out_features)
 
+    def weight_tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.packed,)
+
 
 class OneDnnLinear:
     def __init__(self, weight: torch.Tensor) -> None:
@@ -78,6 +128,9 @@ class OneDnnLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [None], "")
 
+    def weight_tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.packed,)
+
 
 class TorchLinear:
     def __init__(self, weight: torch.Tensor) -> None:
@@ -85,6 +138,50 @@ class TorchLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
+
+    def weight_tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.weight,)
+
+
+class Int8DotLinear:
+    def __init__(self, weight: Int8Weight) -> None:
+        self._ext = _kernel_int8()
+        self.out_features = weight.shape[0]
+        self.packed = self._ext.pack(weight.q)
+        self.scale = torch.zeros(self.packed.shape[0] * self.packed.shape[2])  # padded to whole panels
+        self.scale[: self.out_features] = weight.scale
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._ext.linear(x, self.packed, self.scale, self.out_features)
+
+    def weight_tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.packed, self.scale)
+
+
+class AtenInt8Linear:
+    def __init__(self, weight: Int8Weight) -> None:
+        assert weight.shape[1] % 16 == 0, "ATen's int8 kernel reads K in 16s"
+        self.q = weight.q  # no copy
+        self.scale = weight.scale.bfloat16()  # the op takes the activations' dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+
+    def weight_tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.q, self.scale)
+
+
+class DequantOneDnnLinear:
+    def __init__(self, weight: Int8Weight) -> None:
+        self.q = weight.q  # no copy
+        self.scale = weight.scale
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # q is exact in bf16 (|q| <= 127), so the only roundings are F.linear's output and the scaling.
+        return F.linear(x, self.q.to(x.dtype)).mul_(self.scale)
+
+    def weight_tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.q, self.scale)
 
 
 class BucketedLinear:
@@ -101,11 +198,30 @@ class BucketedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels[min(bisect_left(self.bounds, x.shape[0]), len(self.kernels) - 1)](x)
 
+    def weight_tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t for k in self.kernels for t in k.weight_tensors())  # type: ignore[attr-defined]
 
-def available_kernels() -> dict[str, Callable[[torch.Tensor], PackedLinear]]:
-    """Name -> packer for each kernel that works on this host, in autotune order: oneDNN first (on an
-    AMX host it bounds the large buckets, which lets the slower kernels stop early), pdserve's, torch."""
-    out: dict[str, Callable[[torch.Tensor], PackedLinear]] = {}
+
+def resident_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors` (a kernel that keeps the layer's own tensor, or two
+    kernels sharing one int8 copy, count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t.is_mkldnn:  # oneDNN's packed weight: opaque, no storage to share
+            seen[id(t)] = t.numel() * t.element_size()
+        else:
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def available_kernels(weight_dtype: str = "bfloat16") -> dict[str, Callable[[Any], PackedLinear]]:
+    """Name -> packer for each kernel that works on this host for bf16 (`torch.Tensor`) or int8
+    (`Int8Weight`) weights, in autotune order: oneDNN first (on an AMX host it bounds the large buckets,
+    which lets the slower kernels stop early), pdserve's, torch."""
+    if weight_dtype == "int8":
+        return _int8_kernels()
+    out: dict[str, Callable[[Any], PackedLinear]] = {}
     if torch.backends.mkldnn.is_available():
         out["onednn"] = OneDnnLinear
     try:
@@ -117,8 +233,29 @@ def available_kernels() -> dict[str, Callable[[torch.Tensor], PackedLinear]]:
     return out
 
 
-def _can_pack(kind: str, weight: torch.Tensor) -> bool:
-    return kind != "pdserve" or weight.shape[1] % 2 == 0  # the kernel reads k in pairs
+def _int8_kernels() -> dict[str, Callable[[Any], PackedLinear]]:
+    out: dict[str, Callable[[Any], PackedLinear]] = {"onednn": DequantOneDnnLinear}
+    try:
+        _kernel_int8()
+        out["pdserve"] = Int8DotLinear
+    except Exception as e:  # noqa: BLE001 - no compiler or no AVX-512 BF16: the others remain
+        logger.info("pdserve's int8 linear kernel is unavailable here (%s)", e)
+    if hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+        out["torch"] = AtenInt8Linear
+    return out
+
+
+def _can_pack(kind: str, weight: torch.Tensor | Int8Weight) -> bool:
+    if kind == "pdserve":
+        return weight.shape[1] % 2 == 0  # the kernels read k in pairs
+    if kind == "torch" and isinstance(weight, Int8Weight):
+        return weight.shape[1] % 16 == 0  # ATen's int8 kernel reads K in 16s (and crashes otherwise)
+    return True
+
+
+def _weight_dtype(weights: Mapping[str, Sequence[torch.Tensor | Int8Weight]]) -> str:
+    first = next(iter(weights.values()))[0]
+    return "int8" if isinstance(first, Int8Weight) else "bfloat16"
 
 
 def cpu_linear_packer(kind: str = "auto") -> Callable[[torch.Tensor], PackedLinear] | None:
@@ -157,10 +294,16 @@ class LinearPlan:
     table: TuneTable | None = None
     cache: str | None = None
     cache_hit: bool = False
+    weight_dtype: str = "bfloat16"
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        kernels = [p for ps in self.packed.values() for p in ps]
+        return [t for p in kernels for t in p.weight_tensors()]  # type: ignore[attr-defined]
 
     def describe(self) -> str:
+        weights = "bf16" if self.weight_dtype == "bfloat16" else "int8-weight"
         if self.table is None:
-            return f"bf16 linear kernel: {self.kind} at every row count"
+            return f"{weights} linear kernel: {self.kind} at every row count"
         if self.cache_hit:
             src = f"cached {self.cache}"
         else:
@@ -168,14 +311,17 @@ class LinearPlan:
             src = f"measured, saved to {self.cache}" if saved else "measured, not cached"
         pin = f", pinned to {self.table.pinned} (batch-invariant)" if self.table.pinned else ""
         table = autotune.format_table(self.table)
-        return f"bf16 linear kernels by row count ({src}{pin}); ms per full pass:\n{table}"
+        return f"{weights} linear kernels by row count ({src}{pin}); ms per full pass:\n{table}"
 
 
-def tune_key(weights: Mapping[str, Sequence[torch.Tensor]], candidates: Sequence[str], buckets: Sequence[int]) -> dict:
+def tune_key(
+    weights: Mapping[str, Sequence[torch.Tensor | Int8Weight]], candidates: Sequence[str], buckets: Sequence[int]
+) -> dict:
     """What a measured table depends on: the host (CPU model and flags), torch, the thread count, the
-    shapes and how many of each, the candidates, and the source of pdserve's kernel."""
+    weights' dtype, the shapes and how many of each, the candidates, and the source of pdserve's kernel."""
     cpu, flags = autotune.cpu_info()
-    with open(_SOURCE, "rb") as f:
+    weight_dtype = _weight_dtype(weights)
+    with open(_SOURCE_INT8 if weight_dtype == "int8" else _SOURCE, "rb") as f:
         kernel_digest = hashlib.sha256(f.read()).hexdigest()[:16]
     return {
         "cpu": cpu,
@@ -183,6 +329,7 @@ def tune_key(weights: Mapping[str, Sequence[torch.Tensor]], candidates: Sequence
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "dtype": "bfloat16",
+        "weight_dtype": weight_dtype,
         "ops": {op: [*ws[0].shape, len(ws)] for op, ws in weights.items()},
         "buckets": list(buckets),
         "candidates": list(candidates),
@@ -191,7 +338,7 @@ def tune_key(weights: Mapping[str, Sequence[torch.Tensor]], candidates: Sequence
 
 
 def _pass_builder(
-    weights: Mapping[str, Sequence[torch.Tensor]], kind: str, pack: Callable[[torch.Tensor], PackedLinear]
+    weights: Mapping[str, Sequence[torch.Tensor | Int8Weight]], kind: str, pack: Callable[[Any], PackedLinear]
 ) -> Callable[[int], autotune.Pass]:
     """Pack every weight with one kernel; `pass_for(rows)` is a forward's calls in layer order, so each
     weight arrives as cold as in a real step."""
@@ -213,16 +360,16 @@ def _pass_builder(
 
 @torch.inference_mode()
 def measure_linears(
-    weights: Mapping[str, Sequence[torch.Tensor]],
+    weights: Mapping[str, Sequence[torch.Tensor | Int8Weight]],
     buckets: Sequence[int] = ROW_BUCKETS,
-    kernels: Mapping[str, Callable[[torch.Tensor], PackedLinear]] | None = None,
+    kernels: Mapping[str, Callable[[Any], PackedLinear]] | None = None,
     repeats: int = 5,
     give_up: float = 2.0,
     timer: autotune.Timer = time.perf_counter,
 ) -> TuneTable:
     """Seconds per full pass of each op with each kernel at each bucket's row count (`autotune.tune`;
     `give_up=math.inf` times every kernel everywhere, for a complete A/B table)."""
-    kernels = available_kernels() if kernels is None else kernels
+    kernels = available_kernels(_weight_dtype(weights)) if kernels is None else kernels
     return autotune.tune(
         list(kernels), lambda c: _pass_builder(weights, c, kernels[c]), list(weights), buckets,
         repeats=repeats, timer=timer, give_up=give_up,
@@ -230,16 +377,17 @@ def measure_linears(
 
 
 def pack_cpu_linears(
-    weights: Mapping[str, Sequence[torch.Tensor]],
+    weights: Mapping[str, Sequence[torch.Tensor | Int8Weight]],
     kind: str = "auto",
     *,
     batch_invariant: bool = False,
     cache_dir: str | None = None,
     buckets: Sequence[int] = ROW_BUCKETS,
     timer: autotune.Timer = time.perf_counter,
-    kernels: Mapping[str, Callable[[torch.Tensor], PackedLinear]] | None = None,
+    kernels: Mapping[str, Callable[[Any], PackedLinear]] | None = None,
 ) -> LinearPlan:
-    """Pack bf16 [N, K] weights, grouped by op (e.g. {"qkv": [30 layers' weights], "lm_head": [...]}).
+    """Pack bf16 [N, K] weights or `Int8Weight`s (all of one kind), grouped by op (e.g. {"qkv": [30
+    layers' weights], "lm_head": [...]}); the candidates are that weight dtype's kernels.
 
     A named `kind` packs that kernel for every row count. "auto" times each available kernel on these
     weights at `buckets` rows (`autotune.tune`), or reads the table cached in `cache_dir` for the same
@@ -249,14 +397,16 @@ def pack_cpu_linears(
     the batch. `timer` and `kernels` (name -> packer, default `available_kernels()`) are for tests."""
     if kind not in LINEAR_KINDS:
         raise ValueError(f"unknown linear kernel {kind!r}; choose from {LINEAR_KINDS}")
-    kernels = dict(available_kernels() if kernels is None else kernels)
+    weight_dtype = _weight_dtype(weights)
+    kernels = dict(available_kernels(weight_dtype) if kernels is None else kernels)
     if kind != "auto":
         if kind not in kernels:
-            raise ValueError(f"the {kind!r} linear kernel is unavailable here; available: {sorted(kernels)}")
+            raise ValueError(f"the {kind!r} linear kernel is unavailable here for {weight_dtype} weights; "
+                             f"available: {sorted(kernels)}")
         pack = kernels[kind]
-        fallback = kernels.get("onednn", TorchLinear)
+        fallback = kernels.get("onednn", TorchLinear if weight_dtype == "bfloat16" else DequantOneDnnLinear)
         packed = {op: [pack(w) if _can_pack(kind, w) else fallback(w) for w in ws] for op, ws in weights.items()}
-        return LinearPlan(packed, kind)
+        return LinearPlan(packed, kind, weight_dtype=weight_dtype)
 
     candidates = list(kernels)
     if batch_invariant:
@@ -268,7 +418,8 @@ def pack_cpu_linears(
                            "fastest at decode sizes, whose rows may still round differently with the batch")
     if len(candidates) == 1:
         pinned = candidates[0]
-        return LinearPlan(pack_cpu_linears(weights, pinned, kernels=kernels).packed, pinned)
+        packed = pack_cpu_linears(weights, pinned, kernels=kernels).packed
+        return LinearPlan(packed, pinned, weight_dtype=weight_dtype)
 
     key = tune_key(weights, candidates, buckets)
     path = autotune.cache_path(cache_dir, "linear", key) if cache_dir else None
@@ -277,7 +428,7 @@ def pack_cpu_linears(
     if table is None:
         t0 = time.perf_counter()
         table = measure_linears(weights, buckets, {c: kernels[c] for c in candidates}, timer=timer)
-        logger.info("bf16 linear kernels measured in %.1f s", time.perf_counter() - t0)
+        logger.info("%s linear kernels measured in %.1f s", weight_dtype, time.perf_counter() - t0)
         if table.noise > autotune.NOISY:
             logger.warning("the machine looked busy while timing the linear kernels (median %.1fx the best); "
                            "using the choice for this run only, not caching it", table.noise)
@@ -298,7 +449,8 @@ def pack_cpu_linears(
         runs[-1] = (math.inf, runs[-1][1])  # type: ignore[assignment]  # the last run serves every larger count
         ops_packed = []
         for w in ws:
-            ks = [kernels[name](w) for _, name in runs]
+            once = {name: kernels[name](w) for name in dict.fromkeys(name for _, name in runs)}  # one copy each
+            ks = [once[name] for _, name in runs]
             ops_packed.append(ks[0] if len(ks) == 1 else BucketedLinear([b for b, _ in runs], ks))
         packed[op] = ops_packed
-    return LinearPlan(packed, "auto", table, path, hit)
+    return LinearPlan(packed, "auto", table, path, hit, weight_dtype)

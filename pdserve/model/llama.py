@@ -21,7 +21,15 @@ from torch import nn
 from pdserve.attention.base import AttentionBackend, AttentionMetadata
 from pdserve.config import ModelConfig
 from pdserve.kv.cache import LayerCache
-from pdserve.model.linear import LINEAR_KINDS, LinearPlan, PackedLinear, pack_cpu_linears
+from pdserve.model.linear import (
+    LINEAR_KINDS,
+    Int8Weight,
+    LinearPlan,
+    PackedLinear,
+    pack_cpu_linears,
+    quantize_int8,
+    resident_bytes,
+)
 from pdserve.model.ops import FusedCpuOps, TorchOps, fused_cpu_ops, rms_norm
 
 logger = logging.getLogger(__name__)
@@ -97,6 +105,7 @@ class LlamaModel(nn.Module):
         self.ops: TorchOps | FusedCpuOps = TorchOps()
         self.packed_lm_head: PackedLinear | None = None  # packed copy (CPU, bf16)
         self.linear_plan: LinearPlan | None = None  # which kernels prepack_for_cpu chose, and why
+        self.int8_weights: dict[str, list[Int8Weight]] | None = None  # quantize_linears -> prepack_for_cpu
 
     def forward(
         self,
@@ -120,19 +129,53 @@ class LlamaModel(nn.Module):
     def prepack_for_cpu(
         self, kind: str = "auto", batch_invariant: bool = False, cache_dir: str | None = None
     ) -> bool:
-        """Pack the projections and the output head for CPU bf16 matmul kernels (`linear.py`; `kind`
-        names one, "auto" measures which is fastest per row count here, cached in `cache_dir`);
-        returns whether it did. The decision is kept in `self.linear_plan`."""
+        """Pack the projections and the output head for CPU matmul kernels with bf16 activations
+        (`linear.py`; `kind` names one, "auto" measures which is fastest per row count here, cached in
+        `cache_dir`); returns whether it did. After `quantize_linears` it packs the int8 weights (and
+        must: the float ones are gone). The decision is kept in `self.linear_plan`."""
         if kind not in LINEAR_KINDS:
             raise ValueError(f"unknown linear kernel {kind!r}; choose from {LINEAR_KINDS}")
-        if self.embed.device.type != "cpu" or self.embed.dtype != torch.bfloat16 or kind == "torch":
+        int8 = self.int8_weights is not None
+        if self.embed.device.type != "cpu" or self.embed.dtype != torch.bfloat16:
+            if int8:
+                raise ValueError("int8 weights need bf16 activations on the CPU")
             return False
-        weights = self.linear_weights()
+        if kind == "torch" and not int8:
+            return False
+        weights = self.int8_weights if self.int8_weights is not None else self.linear_weights()
         self.linear_plan = pack_cpu_linears(weights, kind, batch_invariant=batch_invariant, cache_dir=cache_dir)
+        self.int8_weights = None  # what the kernels did not keep goes now
         for i, layer in enumerate(self.layers):
             layer.packed = {name: self.linear_plan.packed[name][i] for name in LlamaLayer.PROJECTIONS}
         self.packed_lm_head = self.linear_plan.packed["lm_head"][0]
         return True
+
+    @torch.no_grad()
+    def quantize_linears(self) -> None:
+        """Quantize every projection and the output head to int8 per output channel (`quantize_int8`),
+        from the float32 weights as loaded (before the cast to bf16: one rounding, not two), and free the
+        float copies: a decode step then streams half the bytes, and only the int8 ones stay resident.
+        The embedding stays float (it is gathered a few rows a step, not streamed; with tied embeddings
+        the head gets its own int8 copy). `prepack_for_cpu` then packs the int8 weights."""
+        weights = self.linear_weights()
+        self.int8_weights = {op: [quantize_int8(w) for w in ws] for op, ws in weights.items()}
+        for layer in self.layers:
+            for name in LlamaLayer.PROJECTIONS:
+                getattr(layer, name).data = torch.empty(0, dtype=getattr(layer, name).dtype)
+        if self.lm_head is not self.embed:
+            self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
+
+    def weight_bytes(self) -> dict[str, int]:
+        """Resident bytes of the weights (each storage once): `linears`, what the projections and head
+        run from (the packed kernels' copies, else the parameters), and `other`, everything else
+        (embedding, norms, biases, and with bf16 packing the unused float copies)."""
+        packed = self.linear_plan.weight_tensors() if self.linear_plan is not None else []
+        params = list(self.parameters())
+        total = resident_bytes([*packed, *params])
+        linears = resident_bytes(packed) if packed else resident_bytes(
+            [t for ws in self.linear_weights().values() for t in ws]
+        )
+        return {"total": total, "linears": linears, "other": total - linears}
 
     def linear_weights(self) -> dict[str, list[torch.Tensor]]:
         """Every projection's weight by op, one per layer, and the output head: what a kernel packs."""

@@ -212,3 +212,16 @@ def test_batch_invariant_engine_gives_a_request_the_same_tokens_alone_and_in_a_b
         alone = llm.generate([p], params, use_tqdm=False)[0]
         assert alone.outputs[0].token_ids == t.outputs[0].token_ids
         assert alone.outputs[0].logprobs == t.outputs[0].logprobs
+
+
+def test_a_kernel_winning_two_separate_runs_of_buckets_is_packed_once():
+    clock = FakeClock()
+
+    def cost(name: str, rows: int) -> float:  # torch wins at 1 and 64 rows, oneDNN at 4 and 16 (both monotone)
+        ms = {"torch": {1: 1.0, 4: 3.0, 16: 3.2, 64: 3.3}, "onednn": {1: 2.0, 4: 2.0, 16: 3.0, 64: 4.0}}
+        return 1e-3 * ms[name][rows]
+
+    plan = pack_cpu_linears(weights(), "auto", buckets=BUCKETS, timer=clock, kernels=fake_kernels(clock, cost))
+    lin = plan.packed["qkv"][0]
+    assert isinstance(lin, BucketedLinear) and kernel_names(lin) == ["torch", "onednn", "torch"]
+    assert lin.kernels[0] is lin.kernels[2]  # one copy of the weights per kernel, however many runs it serves

@@ -76,6 +76,21 @@ def test_machine_report_on_the_tiny_model():
     assert any(line.split()[:1] == ["8"] for line in text.splitlines())
 
 
+def test_machine_report_with_int8_weights():
+    from pdserve.bench.machine import format_report, machine_report
+    from pdserve.model.linear import available_kernels, quantize_int8
+
+    bf16 = tiny_linear_weights()
+    weights = {op: [quantize_int8(w) for w in ws] for op, ws in bf16.items()}
+    r = machine_report(weights, "tiny", rows=(1, 4), repeats=1, seconds=0.01, dram_bytes=1 << 20,
+                       cache_bytes=(1 << 16,), hidden=16)
+    k = r["kernels"]
+    assert k["weight_dtype"] == "int8"
+    assert k["weight_bytes"] == sum(w.numel() for ws in bf16.values() for w in ws)  # one byte per weight
+    assert all(set(row["ms"]) == set(available_kernels("int8")) for row in k["rows"])
+    assert "int8-weight projections" in format_report(r)
+
+
 def TINY_QKV_ROWS() -> int:
     from tests.support.tiny import TINY
 

@@ -1,0 +1,134 @@
+"""Decode speed with bf16 and with int8 weights (`--weight-dtype int8`), side by side in one run:
+single-stream and batched decode tokens/s, the weight bytes one decode step streams (projections and
+output head, as the kernels serving that row count hold them), and what share of this host's measured
+DRAM read bandwidth that stream reaches.
+
+    .venv/bin/python benchmarks/weight_quant.py [--model M] [--batches 1,16,64] [--context 256] [--steps 32]
+        [--linear-kernel auto] [--json results/weight_quant.json]
+
+Each batch size: that many sequences with `--context` random prompt tokens are prefilled, one decode
+step warms the shape, then `--steps` decode-only steps are timed. The DRAM bandwidth is
+`pdserve bench machine`'s probe (`measure_memory_bandwidth` over 1 GiB). Figures name their host: the
+JSON carries the CPU, its flags, the thread count and the bandwidth, and each weight dtype's kernel table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import time
+from bisect import bisect_left
+
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.bench.machine import cpu_flags, cpu_name, measure_memory_bandwidth
+from pdserve.model.linear import BucketedLinear, resident_bytes
+
+
+def streamed_bytes(model, rows: int) -> int:  # type: ignore[no-untyped-def]
+    """Bytes of weights one step of `rows` rows reads: every projection's and the head's weights as held
+    by the kernel that serves `rows` (a decode step reads each once)."""
+    plan = model.linear_plan
+    if plan is None:  # plain F.linear on the parameters
+        return sum(t.numel() * t.element_size() for ws in model.linear_weights().values() for t in ws)
+    total = 0
+    for ps in plan.packed.values():
+        for p in ps:
+            k = p
+            if isinstance(p, BucketedLinear):
+                k = p.kernels[min(bisect_left(p.bounds, rows), len(p.kernels) - 1)]
+            total += resident_bytes(k.weight_tensors())
+    return total
+
+
+def decode_rate(llm: LLM, batch: int, context: int, steps: int, seed: int) -> float:
+    """Seconds per decode-only step with `batch` sequences of about `context` tokens."""
+    eng = llm.engine
+    eng.block_manager.reset_prefix_cache()
+    rng = random.Random(seed)
+    vocab = eng.model_config.vocab_size
+    for _ in range(batch):
+        prompt = [rng.randrange(100, vocab) for _ in range(context)]
+        eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True))
+    while eng.scheduler.waiting or any(r.is_prefill for r in eng.scheduler.running):
+        eng.step()
+    eng.step()  # warm the decode shape
+    t0 = time.perf_counter()
+    n = 0
+    while n < steps and eng.has_unfinished_requests():
+        eng.step()
+        n += 1
+    step = (time.perf_counter() - t0) / max(n, 1)
+    while eng.has_unfinished_requests():
+        eng.step()
+    return step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--context", type=int, default=256, help="prompt tokens per sequence before decoding")
+    ap.add_argument("--steps", type=int, default=32, help="decode steps timed per batch size")
+    ap.add_argument("--linear-kernel", default="auto")
+    ap.add_argument("--kernel-cache-dir", default=None)
+    ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--json", default="results/weight_quant.json", help="where to write the figures")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+
+    dram = measure_memory_bandwidth(1 << 30, 0.5)
+    host = {"cpu": cpu_name(), "flags": cpu_flags(), "threads": args.num_threads or torch.get_num_threads(),
+            "dram_bandwidth": dram}
+    print(f"host: {host['cpu']}, {host['threads']} threads, "
+          f"{' '.join(f for f, on in host['flags'].items() if on)}; DRAM read {dram / 1e9:.1f} GB/s")
+    rows, plans = [], {}
+    for wd in ("bfloat16", "int8"):
+        llm = LLM(model=args.model, dtype="bfloat16", weight_dtype=wd, linear_kernel=args.linear_kernel,
+                  kernel_cache_dir=args.kernel_cache_dir, num_threads=args.num_threads,
+                  max_num_seqs=max(batches), max_model_len=args.context + args.steps + 8)
+        model = llm.engine.model
+        plan = model.linear_plan
+        plans[wd] = None if plan is None else {"kind": plan.kind, "describe": plan.describe(),
+                                               "table": None if plan.table is None else plan.table.to_json()}
+        print(plan.describe() if plan is not None else f"{wd}: plain F.linear")
+        for b in batches:
+            step = decode_rate(llm, b, args.context, args.steps, seed=b)
+            wbytes = streamed_bytes(model, b)
+            rows.append({"weight_dtype": wd, "batch": b, "step_ms": 1e3 * step, "tok_per_s": b / step,
+                         "weight_bytes_per_step": wbytes, "weight_gb_per_s": wbytes / step / 1e9,
+                         "fraction_of_dram": wbytes / step / dram,
+                         "weight_roof_tok_per_s": b * dram / wbytes})
+        del llm, model, plan
+        gc.collect()
+
+    by = {(r["weight_dtype"], r["batch"]): r for r in rows}
+    print(f"\ncontext {args.context} tokens per sequence, {args.steps} decode steps timed per batch")
+    print(f"{'batch':>5} {'weights':>8} {'step ms':>8} {'tok/s':>8} {'W MB/step':>9} {'W GB/s':>7} {'%DRAM':>6} "
+          f"{'roof tok/s':>10} {'int8/bf16':>9}")
+    speedups = {}
+    for b in batches:
+        for wd in ("bfloat16", "int8"):
+            r = by[(wd, b)]
+            ratio = ""
+            if wd == "int8":
+                speedups[b] = r["tok_per_s"] / by[("bfloat16", b)]["tok_per_s"]
+                ratio = f"{speedups[b]:.2f}x"
+            print(f"{b:>5} {wd:>8} {r['step_ms']:>8.2f} {r['tok_per_s']:>8.1f} "
+                  f"{r['weight_bytes_per_step'] / 1e6:>9.1f} {r['weight_gb_per_s']:>7.1f} "
+                  f"{100 * r['fraction_of_dram']:>5.0f}% {r['weight_roof_tok_per_s']:>10.1f} {ratio:>9}")
+    if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"host": host, "model": args.model, "context": args.context, "steps": args.steps,
+                       "rows": rows, "speedup_int8_over_bf16": {str(b): s for b, s in speedups.items()},
+                       "linear_plans": plans}, f, indent=1)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""SmolLM2 with 8-bit weights (`--weight-dtype int8`): greedy chat replies are sane text and follow the
+bf16 ones for most of their first tokens; the CLI runs it end to end. pdserve's kernels are pinned (the
+autotune's choice is tested on the tiny model; each int8 kernel against the reference in
+tests/model/test_linear_int8.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.real_model
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a CPU cache is in two sentences.",
+    "List three prime numbers.",
+    "How do I reverse a list in Python?",
+    "Tell me a fun fact about octopuses.",
+]
+
+
+def test_int8_greedy_follows_bf16():
+    params = SamplingParams(temperature=0, max_tokens=32)
+    msgs = [[{"role": "user", "content": p}] for p in PROMPTS]
+    outs = {}
+    for wd in ("bfloat16", "int8"):
+        llm = LLM(weight_dtype=wd, linear_kernel="pdserve")  # pinned: no minutes of autotune on a busy host
+        outs[wd] = [o.outputs[0] for o in llm.chat(msgs, params, use_tqdm=False)]
+        if wd == "int8":
+            assert llm.engine.model.linear_plan.weight_dtype == "int8"
+            assert llm.engine.model.weight_bytes()["total"] < 200e6  # bf16: 538 MB resident
+    common = []
+    for a, b in zip(outs["bfloat16"], outs["int8"]):
+        assert b.text.strip() and all(c.isprintable() or c.isspace() for c in b.text), b.text
+        common.append(next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
+                           min(len(a.token_ids), len(b.token_ids))))
+    # Observed (2026-12-01): the replies first differ at tokens 8 (both end), 21, 13, 14, 32, 25 of 32.
+    # A broken quantization diverges within the first few tokens.
+    assert sum(c >= 8 for c in common) >= 4, common
+    assert sum(common) / len(common) >= 10, common
+    assert "Paris" in outs["int8"][0].text
+
+
+def test_cli_generate_with_int8_weights(capsys):
+    from pdserve.cli import main
+
+    argv = ["generate", "--weight-dtype", "int8", "--linear-kernel", "pdserve", "--chat", "--max-tokens", "8"]
+    assert main([*argv, "What is the capital of France?"]) == 0
+    assert "Paris" in capsys.readouterr().out
