@@ -25,6 +25,12 @@ the V scale is folded into the probabilities): a decode step reads D + 4 bytes p
 The prefill kernel reads every token of a chunk back from the cache, so a fresh prompt attends to its own
 quantized K/V as later decodes will; where it has no fast path the reference's prefill runs (which must
 then dequantize the cache itself).
+
+Both softmaxes flush weights below ~1e-30 of the largest to zero (`kSoftmaxFlush` in the C++): a peaked
+head over a long context otherwise makes most weights float denormals, and every multiply touching one
+takes a microcode assist (a decode step ~2-3x slower, bf16 included). The flush is in the kernel rather
+than FTZ/DAZ in MXCSR, which is per thread (to be set and restored on every pool thread per call) and
+would change torch's own float math on those threads.
 """
 
 from __future__ import annotations
