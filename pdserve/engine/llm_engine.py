@@ -140,6 +140,9 @@ class LLMEngine(EngineLoop):
         scheduler = Scheduler(sc, block_manager, make_policy(sc.policy, sc), host_pool)
         attn = self._make_attention(config.attention_backend, self.kv_layout.kv_dtype)
         attn.warmup(self.kv_cache.layers[0], model_config.num_heads)
+        if config.attention_backend == "auto" and hasattr(attn, "autotune"):  # cpu-paged: kernels per phase
+            attn.autotune(self.kv_cache.layers[0], model_config.num_heads, self.dtype,
+                          batch_invariant=config.batch_invariant, cache_dir=config.autotune_dir)
         self.runner = ModelRunner(self.model, self.kv_cache, attn, self.device, config.seed)
         eos = set(model_config.eos_token_ids)
         if tokenizer is not None:

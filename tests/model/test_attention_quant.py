@@ -203,14 +203,18 @@ def slots_of(table: list[int], start: int, end: int, bs: int) -> list[int]:
 
 def mixed_step(cpu_paged, kv_dtype: str, shape: tuple[int, int, int], bs: int, q_dtype: torch.dtype):  # type: ignore[no-untyped-def]
     """One backend forward of a real step's layout (three decodes, a fresh prompt, a chunk after cached
-    context) over a quantized cache: (output, float32 attention over the dequantized rows per sequence)."""
+    context) over a quantized cache ("bfloat16": a plain one): (output, float32 attention over the
+    dequantized rows per sequence)."""
     g = torch.Generator().manual_seed(5)
     (H, KVH, D), nblocks = shape, 48 * 16 // bs
-    dtype, _ = QUANT_DTYPES[kv_dtype]
-    cache = LayerCache(
-        torch.zeros(KVH, nblocks, bs, D, dtype=dtype), torch.zeros(KVH, nblocks, bs, D, dtype=dtype),
-        torch.zeros(KVH, nblocks, bs), torch.zeros(KVH, nblocks, bs),
-    )
+    if kv_dtype == "bfloat16":
+        cache = LayerCache(torch.zeros(KVH, nblocks, bs, D).bfloat16(), torch.zeros(KVH, nblocks, bs, D).bfloat16())
+    else:
+        dtype, _ = QUANT_DTYPES[kv_dtype]
+        cache = LayerCache(
+            torch.zeros(KVH, nblocks, bs, D, dtype=dtype), torch.zeros(KVH, nblocks, bs, D, dtype=dtype),
+            torch.zeros(KVH, nblocks, bs), torch.zeros(KVH, nblocks, bs),
+        )
     shapes = [(9, 1), (40, 1), (130, 1), (0, 23), (21, 12)]  # (cached, new): three decodes, two prefills
     tables, _ = random_tables([c + n for c, n in shapes], bs, nblocks, g)
     full_k = [wide_rows((c + n, KVH, D), g).to(q_dtype) for c, n in shapes]
@@ -227,10 +231,11 @@ def mixed_step(cpu_paged, kv_dtype: str, shape: tuple[int, int, int], bs: int, q
     # The chunk's causal mask over its blocks' slots (the reference's prefill reads it; the kernel does not).
     slot = torch.arange(len(tables[4]) * bs)[None, :]
     mask = slot <= (c4 + torch.arange(n4))[:, None]
+    dec_mask = (torch.arange(max_nb * bs) < ctx[:nd, None]).view(nd, 1, 1, -1)  # the reference's decode reads it
     meta = AttentionMetadata(
         slot_mapping=torch.tensor([s for (c, n), t in zip(shapes, tables) for s in slots_of(t, c, c + n, bs)]),
         num_decode_tokens=nd,
-        decode_groups=[DecodeGroup(0, nd, padded[:nd], ctx[:nd], None)],  # type: ignore[arg-type]
+        decode_groups=[DecodeGroup(0, nd, padded[:nd], ctx[:nd], dec_mask)],
         prefills=[
             PrefillSeq(nd, 23, 23, None, None),
             PrefillSeq(int(starts[4]), n4, c4 + n4, torch.tensor(tables[4]), mask),
@@ -246,10 +251,11 @@ def mixed_step(cpu_paged, kv_dtype: str, shape: tuple[int, int, int], bs: int, q
     out = cpu_paged.forward(q, k_new, v_new, cache, meta, D**-0.5)
     refs = []
     for i, ((c, n), kk, vv) in enumerate(zip(shapes, full_k, full_v)):
-        kq, ks = quantize(kk, kv_dtype)
-        vq, vs = quantize(vv, kv_dtype)
+        if kv_dtype != "bfloat16":
+            (kq, ks), (vq, vs) = quantize(kk, kv_dtype), quantize(vv, kv_dtype)
+            kk, vv = dequantize(kq, ks, torch.float32), dequantize(vq, vs, torch.float32)
         s = int(starts[i])
-        refs.append((s, n, naive(q[s : s + n], dequantize(kq, ks, torch.float32), dequantize(vq, vs, torch.float32), D**-0.5)))
+        refs.append((s, n, naive(q[s : s + n], kk.float(), vv.float(), D**-0.5)))
     return out, refs
 
 
