@@ -28,9 +28,13 @@ then dequantize the cache itself).
 
 Both softmaxes flush weights below ~1e-30 of the largest to zero (`kSoftmaxFlush` in the C++): a peaked
 head over a long context otherwise makes most weights float denormals, and every multiply touching one
-takes a microcode assist (a decode step ~2-3x slower, bf16 included). The flush is in the kernel rather
-than FTZ/DAZ in MXCSR, which is per thread (to be set and restored on every pool thread per call) and
-would change torch's own float math on those threads.
+takes a microcode assist (reported ~3x on a decode step, bf16 included; to be re-measured on a quiet
+host). The flush is in the kernel rather than FTZ/DAZ in MXCSR, which is per thread (to be set and
+restored on every pool thread per call) and would change torch's own float math on those threads.
+
+Under `--attention-backend auto` the engine calls `autotune`, which times each phase's C++ kernel
+against the reference's (decode: gather + bmm; prefill: SDPA) on the model's shapes and sets an
+`AttentionPlan` that `decode` and `prefill` consult per step.
 """
 
 from __future__ import annotations

@@ -116,7 +116,8 @@ class LLMEngine(EngineLoop):
             logger.info("weights resident: %.1f MB (projections and head %.1f MB as packed, the rest %.1f MB)",
                         wb["total"] / 1e6, wb["linears"] / 1e6, wb["other"] / 1e6)
         if config.fused_cpu_ops:
-            self.model.use_fused_cpu_ops()
+            self.model.use_fused_cpu_ops(measure=True, batch_invariant=config.batch_invariant,
+                                         cache_dir=config.autotune_dir)
         del weights
 
         sc = config.scheduler
