@@ -25,18 +25,34 @@ the V scale is folded into the probabilities): a decode step reads D + 4 bytes p
 The prefill kernel reads every token of a chunk back from the cache, so a fresh prompt attends to its own
 quantized K/V as later decodes will; where it has no fast path the reference's prefill runs (which must
 then dequantize the cache itself).
+
+Both softmaxes flush weights below ~1e-30 of the largest to zero (`kSoftmaxFlush` in the C++): a peaked
+head over a long context otherwise makes most weights float denormals, and every multiply touching one
+takes a microcode assist (reported ~3x on a decode step, bf16 included; to be re-measured on a quiet
+host). The flush is in the kernel rather than FTZ/DAZ in MXCSR, which is per thread (to be set and
+restored on every pool thread per call) and would change torch's own float math on those threads.
+
+Under `--attention-backend auto` the engine calls `autotune`, which times each phase's C++ kernel
+against the reference's (decode: gather + bmm; prefill: SDPA) on the model's shapes and sets an
+`AttentionPlan` that `decode` and `prefill` consult per step.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from pdserve.attention.base import AttentionMetadata, DecodeGroup
+from pdserve.attention.base import AttentionMetadata, DecodeGroup, PrefillSeq
 from pdserve.attention.torch_ref import TorchAttention
 from pdserve.kv.cache import LayerCache
+from pdserve.kv.quant import quantize
+from pdserve.model import autotune
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +77,62 @@ def load_kernel():  # type: ignore[no-untyped-def]
     )
 
 
+# What `--attention-backend auto` times at first start (`CpuPagedAttention.autotune`): decode steps of
+# DECODE_BATCHES requests of DECODE_CONTEXT tokens each, and fresh prompts of PREFILL_LENS tokens.
+DECODE_BATCHES: tuple[int, ...] = (1, 8, 32)
+DECODE_CONTEXT = 512
+PREFILL_LENS: tuple[int, ...] = (16, 64, 256, 1024, 2048)
+DECODE_KERNELS = ("cpp", "torch")  # the C++ paged decode; the reference's gather + bmm
+PREFILL_KERNELS = ("cpp", "sdpa")  # the C++ flash prefill; the reference's torch SDPA
+
+
+@dataclass(slots=True)
+class AttentionPlan:
+    """Which kernel each phase uses: one for every decode (the choice decides whether the runner groups
+    decodes by context length, so it cannot change per step), and per prefill bucket (`prefill_lens`, as
+    autotune's row buckets: a bucket covers the lengths above the previous one) by a step's longest chunk,
+    since the C++ kernel takes every chunk of a step in one call."""
+
+    decode: str = "cpp"
+    prefill_lens: tuple[int, ...] = (PREFILL_LENS[-1],)
+    prefill: tuple[str, ...] = ("cpp",)
+
+    def prefill_kernel(self, longest_chunk: int) -> str:
+        return self.prefill[autotune.bucket_index(longest_chunk, self.prefill_lens)]
+
+    @classmethod
+    def from_tables(cls, decode: autotune.TuneTable, prefill: autotune.TuneTable) -> AttentionPlan:
+        """Decode: the kernel with the least time summed over the timed batches; prefill: the fastest per
+        length bucket (ties to the C++ kernel, first in each table's order)."""
+        return cls(
+            decode=autotune.pick_one(decode, decode.order, decode_rows=max(decode.buckets)),
+            prefill_lens=prefill.buckets,
+            prefill=tuple(prefill.winners("prefill")),
+        )
+
+
 class CpuPagedAttention(TorchAttention):
+    """The C++ kernels, consulting an `AttentionPlan` (set by `autotune`) per phase: one step may run the
+    C++ decode and torch's SDPA for its prompt chunks. Without a plan, the C++ kernels wherever they run."""
+
     name = "cpu-paged"
     pads_decodes = False  # the kernel reads only real context: one call for all decodes
 
-    def __init__(self) -> None:
+    def __init__(self, plan: AttentionPlan | None = None) -> None:
         self._kernel = load_kernel()
+        self.plan = plan or AttentionPlan()
+
+    @property
+    def plan(self) -> AttentionPlan:
+        return self._plan
+
+    @plan.setter
+    def plan(self, plan: AttentionPlan) -> None:
+        if plan.decode not in DECODE_KERNELS or any(k not in PREFILL_KERNELS for k in plan.prefill):
+            raise ValueError(f"unknown attention kernel in {plan}")
+        self._plan = plan
+        # The reference's decode pads each group to its longest context: let the runner bound the padding.
+        self.pads_decodes = plan.decode == "torch"
 
     def supports_kv_dtype(self, kv_dtype: str) -> bool:
         """The kernels read bf16 and float32 caches, and int8 / fp8 e4m3 ones in place (the storage dtype's
@@ -106,6 +172,11 @@ class CpuPagedAttention(TorchAttention):
             logger.warning("attention cpu-paged: decode %s, prefill %s: slow path because %s", decode, prefill, why)
 
     def decode(self, q: torch.Tensor, cache: LayerCache, g: DecodeGroup, scale: float) -> torch.Tensor:
+        if self._plan.decode == "torch":
+            return TorchAttention.decode(self, q, cache, g, scale)
+        return self._decode_cpp(q, cache, g, scale)
+
+    def _decode_cpp(self, q: torch.Tensor, cache: LayerCache, g: DecodeGroup, scale: float) -> torch.Tensor:
         return self._kernel.paged_decode(
             q, cache.k, cache.v, g.block_table, g.context_lens, scale, cache.k_scale, cache.v_scale
         )
@@ -117,9 +188,153 @@ class CpuPagedAttention(TorchAttention):
         m = meta
         if m.prefill_block_table is not None and m.prefill_context_lens is not None:
             assert m.prefill_query_starts is not None and m.prefill_query_lens is not None
-            if self._kernel.paged_prefill(
+            longest = max(p.query_len for p in m.prefills)
+            if self._plan.prefill_kernel(longest) == "cpp" and self._kernel.paged_prefill(
                 q, cache.k, cache.v, m.prefill_block_table, m.prefill_query_starts, m.prefill_query_lens,
                 m.prefill_context_lens, scale, out, cache.k_scale, cache.v_scale,
             ):
                 return
         super().prefill(q, k, v, cache, meta, scale, out)
+
+    # --- choice by measurement (`--attention-backend auto`) ---------------------------------------------
+
+    def autotune(
+        self,
+        cache: LayerCache,
+        num_heads: int,
+        dtype: torch.dtype,
+        *,
+        batch_invariant: bool = False,
+        cache_dir: str | None = None,
+        timer: autotune.Timer = time.perf_counter,
+    ) -> None:
+        """Time each phase's kernels on this model's shapes and cache dtype (`measure_attention`), or read
+        the tables cached in `cache_dir` for the same host, torch, threads, shapes and kernel source, then
+        set the plan and log the tables. `batch_invariant` keeps the C++ kernel for both phases without
+        measuring: it computes each request (decode) and each chunk (prefill, tiles of its own rows) alone,
+        so a sequence's result does not depend on what else is in the step, while the reference's decode
+        pads to the group's longest context and a per-length prefill choice would switch kernels with the
+        step's longest chunk."""
+        if batch_invariant:
+            self.plan = AttentionPlan()
+            logger.info("attention cpu-paged: C++ decode and prefill at every size (batch-invariant)")
+            return
+        key = self._tune_key(cache, num_heads, dtype)
+        paths = {k: autotune.cache_path(cache_dir, f"attention-{k}", key) if cache_dir else None for k in ("decode", "prefill")}
+        tables = {k: autotune.load_cached(p, key) if p else None for k, p in paths.items()}
+        hit = all(t is not None for t in tables.values())
+        if not hit:
+            t0 = time.perf_counter()
+            tables = dict(zip(("decode", "prefill"), measure_attention(self, cache, num_heads, dtype, timer=timer)))
+            noise = max(t.noise for t in tables.values())  # type: ignore[union-attr]
+            logger.info("attention kernels measured in %.1f s", time.perf_counter() - t0)
+            if noise > autotune.NOISY:
+                logger.warning("the machine looked busy while timing the attention kernels (median %.1fx the "
+                               "best); using the choice for this run only, not caching it", noise)
+            else:
+                for k, p in paths.items():
+                    if p:
+                        autotune.save_cached(p, key, tables[k])  # type: ignore[arg-type]
+        decode, prefill = tables["decode"], tables["prefill"]
+        assert decode is not None and prefill is not None
+        self.plan = AttentionPlan.from_tables(decode, prefill)
+        src = f"cached {paths['decode']}" if hit else "measured"
+        logger.info(
+            "attention kernels (%s): decode %s; ms per layer call, decode of %d-token contexts by batch:\n%s\n"
+            "prefill of a fresh prompt by length:\n%s",
+            src, self.plan.decode, DECODE_CONTEXT, autotune.format_table(decode, "batch"),
+            autotune.format_table(prefill, "len"),
+        )
+
+    def _tune_key(self, cache: LayerCache, num_heads: int, dtype: torch.dtype) -> dict:
+        """What the attention tables depend on: host, torch, threads, the model's attention shape, the
+        query and cache dtypes, the timed sizes and the kernel's source."""
+        cpu, flags = autotune.cpu_info()
+        with open(_SOURCE, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()[:16]
+        kvh, _, block_size, head_dim = cache.k.shape
+        return {
+            "cpu": cpu, "flags": list(flags), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "heads": [num_heads, kvh, head_dim], "block_size": block_size, "dtype": str(dtype),
+            "kv_dtype": cache.kv_dtype, "decode": [list(DECODE_BATCHES), DECODE_CONTEXT],
+            "prefill": list(PREFILL_LENS), "candidates": [list(DECODE_KERNELS), list(PREFILL_KERNELS)],
+            "pdserve_kernel": digest,
+        }
+
+
+def scratch_cache(like: LayerCache, num_blocks: int, seed: int = 0) -> LayerCache:
+    """A cache of random rows shaped and stored as `like` (quantized as kv/quant.py does), for timing:
+    the real cache may hold anything before the first request (NaN scales included)."""
+    kvh, _, bs, d = like.k.shape
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(kvh, num_blocks, bs, d, generator=g)
+    v = torch.randn(kvh, num_blocks, bs, d, generator=g)
+    if like.quantized:
+        (kq, ks), (vq, vs) = quantize(k, like.kv_dtype), quantize(v, like.kv_dtype)
+        return LayerCache(kq, vq, ks, vs)
+    return LayerCache(k.to(like.k.dtype), v.to(like.k.dtype))
+
+
+@torch.inference_mode()
+def measure_attention(
+    attn: CpuPagedAttention,
+    like: LayerCache,
+    num_heads: int,
+    dtype: torch.dtype,
+    *,
+    decode_batches: Sequence[int] = DECODE_BATCHES,
+    context: int = DECODE_CONTEXT,
+    prefill_lens: Sequence[int] = PREFILL_LENS,
+    repeats: int = 3,
+    timer: autotune.Timer = time.perf_counter,
+) -> tuple[autotune.TuneTable, autotune.TuneTable]:
+    """(decode table, prefill table) of seconds per layer call, through `autotune.tune`: decode of
+    `decode_batches` requests with `context` tokens each in distinct blocks (as cold as a real step's),
+    prefill of one fresh prompt per length (the reference's SDPA reads its fresh K/V, or the cache read
+    back where it is quantized). The C++ prefill where it declines the shape counts as inf."""
+    kvh, _, bs, d = like.k.shape
+    nb_seq = -(-context // bs)
+    num_blocks = max(max(decode_batches) * nb_seq, -(-max(prefill_lens) // bs))
+    cache = scratch_cache(like, num_blocks)
+    scale = d**-0.5
+    gen = torch.Generator().manual_seed(1)
+
+    def decode_pass(kernel: str):  # type: ignore[no-untyped-def]
+        def pass_for(batch: int) -> autotune.Pass:
+            q = torch.randn(batch, num_heads, d, generator=gen).to(dtype)
+            table = torch.arange(batch * nb_seq).view(batch, nb_seq)
+            lens = torch.full((batch,), context)
+            mask = (torch.arange(nb_seq * bs) < context).expand(batch, nb_seq * bs).reshape(batch, 1, 1, -1)
+            g = DecodeGroup(0, batch, table, lens, mask)
+            run = attn._decode_cpp if kernel == "cpp" else lambda *a: TorchAttention.decode(attn, *a)
+            return [("decode", lambda: run(q, cache, g, scale))]
+
+        return pass_for
+
+    def prefill_pass(kernel: str):  # type: ignore[no-untyped-def]
+        def pass_for(n: int) -> autotune.Pass:
+            q = torch.randn(n, num_heads, d, generator=gen).to(dtype)
+            k = torch.randn(n, kvh, d, generator=gen).to(dtype)
+            v = torch.randn(n, kvh, d, generator=gen).to(dtype)
+            table = torch.arange(-(-n // bs))[None, :]
+            meta = AttentionMetadata(
+                torch.arange(n), 0, [], [PrefillSeq(0, n, n, None, None)], table, torch.tensor([n]),
+                torch.tensor([0]), torch.tensor([n]),
+            )
+            out = torch.empty_like(q)
+            if kernel == "sdpa":
+                return [("prefill", lambda: TorchAttention.prefill(attn, q, k, v, cache, meta, scale, out))]
+            fast_dtypes = dtype == torch.bfloat16 and cache.k.dtype in _FAST_CACHE_DTYPES
+            if not attn._kernel.prefill_fast_path(fast_dtypes, num_heads, kvh, d, bs):
+                return []  # declined: the reference would run
+            return [("prefill", lambda: attn._kernel.paged_prefill(
+                q, cache.k, cache.v, table, meta.prefill_query_starts, meta.prefill_query_lens,
+                meta.prefill_context_lens, scale, out, cache.k_scale, cache.v_scale))]
+
+        return pass_for
+
+    decode = autotune.tune(DECODE_KERNELS, decode_pass, ["decode"], decode_batches, repeats=repeats, timer=timer,
+                           give_up=float("inf"))
+    prefill = autotune.tune(PREFILL_KERNELS, prefill_pass, ["prefill"], prefill_lens, repeats=repeats, timer=timer,
+                            give_up=float("inf"))
+    return decode, prefill

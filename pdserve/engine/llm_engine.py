@@ -116,7 +116,8 @@ class LLMEngine(EngineLoop):
             logger.info("weights resident: %.1f MB (projections and head %.1f MB as packed, the rest %.1f MB)",
                         wb["total"] / 1e6, wb["linears"] / 1e6, wb["other"] / 1e6)
         if config.fused_cpu_ops:
-            self.model.use_fused_cpu_ops()
+            self.model.use_fused_cpu_ops(measure=True, batch_invariant=config.batch_invariant,
+                                         cache_dir=config.autotune_dir)
         del weights
 
         sc = config.scheduler
@@ -140,6 +141,9 @@ class LLMEngine(EngineLoop):
         scheduler = Scheduler(sc, block_manager, make_policy(sc.policy, sc), host_pool)
         attn = self._make_attention(config.attention_backend, self.kv_layout.kv_dtype)
         attn.warmup(self.kv_cache.layers[0], model_config.num_heads)
+        if config.attention_backend == "auto" and hasattr(attn, "autotune"):  # cpu-paged: kernels per phase
+            attn.autotune(self.kv_cache.layers[0], model_config.num_heads, self.dtype,
+                          batch_invariant=config.batch_invariant, cache_dir=config.autotune_dir)
         self.runner = ModelRunner(self.model, self.kv_cache, attn, self.device, config.seed)
         eos = set(model_config.eos_token_ids)
         if tokenizer is not None:

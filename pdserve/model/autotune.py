@@ -265,11 +265,12 @@ def save_cached(path: str, key: Mapping, table: TuneTable) -> None:
         logger.warning("could not write the kernel autotune cache %s (%s)", path, e)
 
 
-def format_table(table: TuneTable) -> str:
-    """Rows: buckets. Columns: ms per full pass for each candidate, then the kernel chosen per op."""
+def format_table(table: TuneTable, label: str = "rows") -> str:
+    """Rows: buckets (`label` names what a bucket counts). Columns: ms per full pass for each candidate,
+    then the kernel chosen per op."""
     ops = list(table.seconds)
     cands = list(table.order)
-    head = f"{'rows':>5} " + " ".join(f"{c + ' ms':>11}" for c in cands) + f" {'chosen ms':>10}  " + " ".join(
+    head = f"{label:>5} " + " ".join(f"{c + ' ms':>11}" for c in cands) + f" {'chosen ms':>10}  " + " ".join(
         f"{op:>8}" for op in ops
     )
     lines = [head]

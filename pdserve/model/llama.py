@@ -30,7 +30,7 @@ from pdserve.model.linear import (
     quantize_int8,
     resident_bytes,
 )
-from pdserve.model.ops import FusedCpuOps, TorchOps, fused_cpu_ops, rms_norm
+from pdserve.model.ops import FusedCpuOps, MeasuredOps, TorchOps, choose_ops, fused_cpu_ops, rms_norm
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class LlamaLayer(nn.Module):
         cache: LayerCache,
         meta: AttentionMetadata,
         attn: AttentionBackend,
-        ops: TorchOps | FusedCpuOps,
+        ops: TorchOps | FusedCpuOps | MeasuredOps,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual stream, what the previous layer adds to it) -> the same pair after this layer."""
         t = x.shape[0]
@@ -102,7 +102,7 @@ class LlamaModel(nn.Module):
         )
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.ops: TorchOps | FusedCpuOps = TorchOps()
+        self.ops: TorchOps | FusedCpuOps | MeasuredOps = TorchOps()
         self.packed_lm_head: PackedLinear | None = None  # packed copy (CPU, bf16)
         self.linear_plan: LinearPlan | None = None  # which kernels prepack_for_cpu chose, and why
         self.int8_weights: dict[str, list[Int8Weight]] | None = None  # quantize_linears -> prepack_for_cpu
@@ -183,16 +183,21 @@ class LlamaModel(nn.Module):
         weights["lm_head"] = [self.lm_head]
         return weights
 
-    def use_fused_cpu_ops(self) -> bool:
+    def use_fused_cpu_ops(self, measure: bool = False, batch_invariant: bool = False, cache_dir: str | None = None) -> bool:
         """Switch the elementwise steps to the fused C++ ops when that is the fast path (CPU, 16-bit) and
-        the extension builds; returns whether it did."""
+        the extension builds; returns whether it did. `measure`: time them against the torch ops on this
+        model's shapes and use the faster per row bucket (`ops.choose_ops`; cached in `cache_dir`)."""
         if self.embed.device.type != "cpu" or self.embed.dtype != torch.bfloat16:
             return False
         ops = fused_cpu_ops()
         if ops is None:
             return False
-        self.ops = ops
         logger.info("fused CPU ops: add+RMSNorm, RoPE (rotate-half), %s", ops.silu_mul_path)
+        self.ops = ops
+        if measure:
+            c = self.cfg
+            shapes = (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.num_layers)
+            self.ops = choose_ops(ops, shapes, batch_invariant=batch_invariant, cache_dir=cache_dir)
         return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -200,3 +200,50 @@ def test_cpu_paged_write_kv_matches_index_copy(cpu_paged, dtype):
     assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
     with pytest.raises(RuntimeError, match="out of range"):
         cpu_paged.write_kv(k[:1], v[:1], LayerCache(caches[0], caches[1]), torch.tensor([nblocks * bs]))
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
+def test_cpu_paged_softmax_flushes_tiny_weights(cpu_paged, kv_dtype):
+    """Scores spread over hundreds (a peaked head over a long context): most softmax weights fall below
+    1e-30, where the kernels flush them to zero instead of computing denormals (csrc/paged_decode.cpp,
+    kSoftmaxFlush). Decode and prefill still match float32 attention: a dropped weight of < 1e-30 moves
+    no output by a visible amount."""
+    from pdserve.kv.quant import dequantize, quantize
+
+    g = torch.Generator().manual_seed(7)
+    H, KVH, D, bs, nblocks = 9, 3, 64, 16, 64
+    n = 600
+    # Keys of very different lengths along one direction: q.k spans about +-300 after scaling.
+    k = torch.randn(n, KVH, D, generator=g) * torch.linspace(0.1, 6.0, n)[:, None, None]
+    v = torch.randn(n, KVH, D, generator=g)
+    kc = torch.zeros(KVH, nblocks * bs, D)
+    vc = torch.zeros_like(kc)
+    kc[:, :n], vc[:, :n] = k.transpose(0, 1), v.transpose(0, 1)
+    kc, vc = kc.view(KVH, nblocks, bs, D), vc.view(KVH, nblocks, bs, D)
+    if kv_dtype == "int8":
+        (kq, ks), (vq, vs) = quantize(kc, "int8"), quantize(vc, "int8")
+        cache = LayerCache(kq, vq, ks, vs)
+        kc, vc = dequantize(kq, ks, torch.float32), dequantize(vq, vs, torch.float32)
+    else:
+        cache = LayerCache(kc.bfloat16(), vc.bfloat16())
+        kc, vc = kc.bfloat16().float(), vc.bfloat16().float()
+    kf = kc.reshape(KVH, -1, D)[:, :n].transpose(0, 1)
+    vf = vc.reshape(KVH, -1, D)[:, :n].transpose(0, 1)
+    table = torch.arange(-(-n // bs))[None, :]
+    q = (torch.randn(1, H, D, generator=g) * 8).bfloat16()
+    scores = torch.einsum("hd,shd->hs", q[0].float(), kf.repeat_interleave(H // KVH, 1)) * D**-0.5
+    tiny = (scores - scores.max(-1, keepdim=True).values < -69).float().mean()
+    assert tiny > 0.5  # the case is the one the flush is for
+    group = DecodeGroup(0, 1, table, torch.tensor([n]), None)  # type: ignore[arg-type]
+    out = cpu_paged.decode(q, cache, group, D**-0.5)
+    torch.testing.assert_close(out.float(), naive(q, kf, vf, D**-0.5), atol=2e-2, rtol=2e-2)
+    # Prefill: the last 40 positions as one chunk after 560 cached tokens.
+    L = 40
+    qp = (torch.randn(L, H, D, generator=g) * 8).bfloat16()
+    outp = torch.zeros(L, H, D, dtype=torch.bfloat16)
+    ran = cpu_paged._kernel.paged_prefill(
+        qp, cache.k, cache.v, table, torch.tensor([0]), torch.tensor([L]), torch.tensor([n]), D**-0.5, outp,
+        cache.k_scale, cache.v_scale,
+    )
+    if ran:
+        torch.testing.assert_close(outp.float(), naive(qp, kf, vf, D**-0.5), atol=2e-2, rtol=2e-2)

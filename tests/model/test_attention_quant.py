@@ -201,23 +201,24 @@ def slots_of(table: list[int], start: int, end: int, bs: int) -> list[int]:
     return [table[j // bs] * bs + j % bs for j in range(start, end)]
 
 
-@pytest.mark.parametrize("shape", [(9, 3, 64), (12, 2, 128)], ids=["smollm2", "qwen-1.5b"])
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_mixed_step_through_forward(cpu_paged, kv_dtype, shape):
-    """One backend forward of a real step's layout (decodes, a fresh prompt, a chunk after cached
-    context): the new rows are quantized into the cache, then every query attends to its whole context
-    read back from it, as the reference attends over the same dequantized rows."""
+def mixed_step(cpu_paged, kv_dtype: str, shape: tuple[int, int, int], bs: int, q_dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    """One backend forward of a real step's layout (three decodes, a fresh prompt, a chunk after cached
+    context) over a quantized cache ("bfloat16": a plain one): (output, float32 attention over the
+    dequantized rows per sequence)."""
     g = torch.Generator().manual_seed(5)
-    (H, KVH, D), bs, nblocks = shape, 16, 48
-    dtype, _ = QUANT_DTYPES[kv_dtype]
-    cache = LayerCache(
-        torch.zeros(KVH, nblocks, bs, D, dtype=dtype), torch.zeros(KVH, nblocks, bs, D, dtype=dtype),
-        torch.zeros(KVH, nblocks, bs), torch.zeros(KVH, nblocks, bs),
-    )
+    (H, KVH, D), nblocks = shape, 48 * 16 // bs
+    if kv_dtype == "bfloat16":
+        cache = LayerCache(torch.zeros(KVH, nblocks, bs, D).bfloat16(), torch.zeros(KVH, nblocks, bs, D).bfloat16())
+    else:
+        dtype, _ = QUANT_DTYPES[kv_dtype]
+        cache = LayerCache(
+            torch.zeros(KVH, nblocks, bs, D, dtype=dtype), torch.zeros(KVH, nblocks, bs, D, dtype=dtype),
+            torch.zeros(KVH, nblocks, bs), torch.zeros(KVH, nblocks, bs),
+        )
     shapes = [(9, 1), (40, 1), (130, 1), (0, 23), (21, 12)]  # (cached, new): three decodes, two prefills
     tables, _ = random_tables([c + n for c, n in shapes], bs, nblocks, g)
-    full_k = [wide_rows((c + n, KVH, D), g).bfloat16() for c, n in shapes]
-    full_v = [wide_rows((c + n, KVH, D), g).bfloat16() for c, n in shapes]
+    full_k = [wide_rows((c + n, KVH, D), g).to(q_dtype) for c, n in shapes]
+    full_v = [wide_rows((c + n, KVH, D), g).to(q_dtype) for c, n in shapes]
     for (c, _), t, kk, vv in zip(shapes, tables, full_k, full_v):  # what earlier steps wrote
         if c:
             cpu_paged.write_kv(kk[:c], vv[:c], cache, torch.tensor(slots_of(t, 0, c, bs)))
@@ -227,31 +228,65 @@ def test_mixed_step_through_forward(cpu_paged, kv_dtype, shape):
     ctx = torch.tensor([c + n for c, n in shapes])
     starts = torch.tensor([sum(n for _, n in shapes[:i]) for i in range(len(shapes))])
     c4, n4 = shapes[4]
+    # The chunk's causal mask over its blocks' slots (the reference's prefill reads it; the kernel does not).
+    slot = torch.arange(len(tables[4]) * bs)[None, :]
+    mask = slot <= (c4 + torch.arange(n4))[:, None]
+    dec_mask = (torch.arange(max_nb * bs) < ctx[:nd, None]).view(nd, 1, 1, -1)  # the reference's decode reads it
     meta = AttentionMetadata(
         slot_mapping=torch.tensor([s for (c, n), t in zip(shapes, tables) for s in slots_of(t, c, c + n, bs)]),
         num_decode_tokens=nd,
-        decode_groups=[DecodeGroup(0, nd, padded[:nd], ctx[:nd], None)],  # type: ignore[arg-type]
+        decode_groups=[DecodeGroup(0, nd, padded[:nd], ctx[:nd], dec_mask)],
         prefills=[
             PrefillSeq(nd, 23, 23, None, None),
-            PrefillSeq(int(starts[4]), n4, c4 + n4, torch.tensor(tables[4]), None),
+            PrefillSeq(int(starts[4]), n4, c4 + n4, torch.tensor(tables[4]), mask),
         ],
         prefill_block_table=padded[nd:],
         prefill_context_lens=ctx[nd:],
         prefill_query_starts=starts[nd:],
         prefill_query_lens=torch.tensor([n for _, n in shapes[nd:]]),
     )
-    q = torch.randn(sum(n for _, n in shapes), H, D, generator=g).bfloat16()
+    q = torch.randn(sum(n for _, n in shapes), H, D, generator=g).to(q_dtype)
     k_new = torch.cat([kk[c:] for (c, _), kk in zip(shapes, full_k)])
     v_new = torch.cat([vv[c:] for (c, _), vv in zip(shapes, full_v)])
-    if not cpu_paged._kernel.prefill_fast_path(True, H, KVH, D, bs):
-        pytest.skip("no AVX-512 BF16 prefill kernel in this build (the fallback is the reference's)")
     out = cpu_paged.forward(q, k_new, v_new, cache, meta, D**-0.5)
+    refs = []
     for i, ((c, n), kk, vv) in enumerate(zip(shapes, full_k, full_v)):
-        kq, ks = quantize(kk, kv_dtype)
-        vq, vs = quantize(vv, kv_dtype)
+        if kv_dtype != "bfloat16":
+            (kq, ks), (vq, vs) = quantize(kk, kv_dtype), quantize(vv, kv_dtype)
+            kk, vv = dequantize(kq, ks, torch.float32), dequantize(vq, vs, torch.float32)
         s = int(starts[i])
-        ref = naive(q[s : s + n], dequantize(kq, ks, torch.float32), dequantize(vq, vs, torch.float32), D**-0.5)
+        refs.append((s, n, naive(q[s : s + n], kk.float(), vv.float(), D**-0.5)))
+    return out, refs
+
+
+@pytest.mark.parametrize("shape", [(9, 3, 64), (12, 2, 128)], ids=["smollm2", "qwen-1.5b"])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_mixed_step_through_forward(cpu_paged, kv_dtype, shape):
+    """The new rows are quantized into the cache, then every query attends to its whole context read back
+    from it (the C++ prefill kernel here), as the reference attends over the same dequantized rows."""
+    H, KVH, D = shape
+    if not cpu_paged._kernel.prefill_fast_path(True, H, KVH, D, 16):
+        pytest.skip("no AVX-512 BF16 prefill kernel in this build (the fallback is the reference's)")
+    out, refs = mixed_step(cpu_paged, kv_dtype, shape, 16, torch.bfloat16)
+    for s, n, ref in refs:
         torch.testing.assert_close(out[s : s + n].float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize(
+    "bs,q_dtype,tol", [(8, torch.bfloat16, 2e-2), (16, torch.float32, 1e-4)], ids=["blocks-of-8", "float32"]
+)
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_prefill_fallback_on_quantized_cache(cpu_paged, kv_dtype, bs, q_dtype, tol):
+    """Where the C++ prefill kernel declines (blocks not a multiple of 16, float32 queries) cpu-paged falls
+    back to the reference's prefill, which must dequantize the cache itself: the fresh prompt read back
+    from the quantized cache, the chunk's cached context gathered and dequantized. Both equal float32
+    attention over the dequantized rows."""
+    H, KVH, D = 9, 3, 64
+    assert not cpu_paged._kernel.prefill_fast_path(q_dtype == torch.bfloat16, H, KVH, D, bs)
+    out, refs = mixed_step(cpu_paged, kv_dtype, (H, KVH, D), bs, q_dtype)
+    assert out.dtype == q_dtype
+    for s, n, ref in refs:
+        torch.testing.assert_close(out[s : s + n].float(), ref, atol=tol, rtol=tol)
 
 
 def special_rows(T: int, KVH: int, D: int, g: torch.Generator) -> torch.Tensor:

@@ -68,8 +68,9 @@ def test_model_forward_matches_with_fused_ops(tiny_weights):
     prompts = [[5, 17, 300, 42, 8, 99], list(range(1, 40))]
     outs = []
     for use_fused in (False, True):
+        # batch_invariant: the fused ops at every row count (not the measured per-bucket choice)
         llm = LLM(dtype="bfloat16", device="cpu", model_config=TINY, weights=tiny_weights, num_blocks=64,
-                  block_size=4, fused_cpu_ops=use_fused)
+                  block_size=4, fused_cpu_ops=use_fused, batch_invariant=True)
         assert (llm.engine.model.ops.name == "fused-cpu") is use_fused
         outs.append(llm.generate(prompts, params, use_tqdm=False))
     for ref, got in zip(*outs):
@@ -93,3 +94,51 @@ def test_silu_mul(rows, ffn):
     # Large magnitudes: exp overflows to inf (silu -> -0) or underflows to 0 (silu -> x), as in torch.
     big = torch.tensor([[-200.0, -90.0, 90.0, 200.0, 3.0, 5.0, 7.0, 9.0]]).bfloat16()
     assert torch.equal(fused.silu_mul(big), TorchOps.silu_mul(big))
+
+
+def injected_ops_table(fused_wins: list[bool]) -> "TuneTable":  # noqa: F821
+    from pdserve.model.autotune import TuneTable
+    from pdserve.model.ops import OP_NAMES, OPS_ROWS
+
+    per = {"fused-cpu": [1.0 if w else 2.0 for w in fused_wins], "torch": [2.0 if w else 1.0 for w in fused_wins]}
+    return TuneTable(OPS_ROWS, {op: dict(per) for op in OP_NAMES}, ("fused-cpu", "torch"))
+
+
+def test_ops_choice_from_injected_timings(monkeypatch, tmp_path):
+    """The faster implementation per row bucket: the fused ops alone, the torch ops alone, or a mix that
+    dispatches by row count (and computes what both do); cached and reused without timing; pinned to the
+    fused ops by batch_invariant."""
+    from pdserve.model import ops as ops_mod
+    from pdserve.model.ops import MeasuredOps, TorchOps, choose_ops
+
+    fused = fused_cpu_ops()
+    if fused is None:
+        pytest.skip("fused ops do not build here")
+    shapes = (64, 4, 2, 16, 96, 2)
+    results = iter([injected_ops_table([True] * 4), injected_ops_table([False] * 4),
+                    injected_ops_table([True, True, False, False])])
+    calls = []
+    monkeypatch.setattr(ops_mod, "measure_ops", lambda *a, **kw: calls.append(a) or next(results))
+    assert choose_ops(fused, shapes) is fused
+    assert isinstance(choose_ops(fused, shapes), TorchOps)
+    mixed = choose_ops(fused, shapes, cache_dir=str(tmp_path))
+    assert isinstance(mixed, MeasuredOps) and len(calls) == 3
+    assert mixed._impl("silu_mul", 1) is fused and mixed._impl("silu_mul", 8) is fused
+    assert isinstance(mixed._impl("silu_mul", 9), TorchOps) and isinstance(mixed._impl("rope_qkv", 4096), TorchOps)
+    assert isinstance(choose_ops(fused, shapes, cache_dir=str(tmp_path)), MeasuredOps) and len(calls) == 3  # cached
+    assert choose_ops(fused, shapes, batch_invariant=True) is fused and len(calls) == 3
+    for rows in (3, 64):
+        gate_up = rand(rows, 192, dtype=torch.bfloat16, seed=rows)
+        assert torch.equal(mixed.silu_mul(gate_up), TorchOps.silu_mul(gate_up))  # within 1 ulp in general
+
+
+def test_measure_ops_fills_the_table():
+    """Smoke: the real timing runs both implementations at every row count."""
+    from pdserve.model.ops import OP_NAMES, measure_ops
+
+    fused = fused_cpu_ops()
+    if fused is None:
+        pytest.skip("fused ops do not build here")
+    t = measure_ops(fused, 64, 4, 2, 16, 96, 2, rows=(1, 8), repeats=1)
+    assert t.buckets == (1, 8) and set(t.seconds) == set(OP_NAMES)
+    assert all(0 < v < float("inf") for ts in t.seconds.values() for row in ts.values() for v in row)

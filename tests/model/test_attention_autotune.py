@@ -1,0 +1,134 @@
+"""`--attention-backend auto` on CPU (attention/cpu_paged.py): the plan picked from injected timings per
+phase and bucket, cached on disk and reused without timing, pinned by --batch-invariant, and the
+dispatching backend equal to the reference for every choice (and really dispatching: a kernel the plan
+does not choose is never called)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import pytest
+import torch
+
+from pdserve.attention import cpu_paged as cp
+from pdserve.attention.cpu_paged import AttentionPlan, CpuPagedAttention
+from pdserve.kv.cache import LayerCache
+from pdserve.model.autotune import TuneTable
+from tests.model.test_attention_quant import mixed_step
+
+
+@pytest.fixture(scope="module")
+def kernel_ok():
+    try:
+        cp.load_kernel()
+    except Exception as e:  # no compiler here
+        pytest.skip(f"cpu-paged unavailable: {e}")
+
+
+def tables(decode: dict[str, list[float]], prefill: dict[str, list[float]], noise: float = 1.0):
+    return (
+        TuneTable(cp.DECODE_BATCHES, {"decode": decode}, cp.DECODE_KERNELS, noise=noise),
+        TuneTable(cp.PREFILL_LENS, {"prefill": prefill}, cp.PREFILL_KERNELS, noise=noise),
+    )
+
+
+# torch's decode wins one batch but loses overall; SDPA wins short prompts, the C++ kernel long ones.
+DECODE = {"cpp": [2e-4, 1e-3, 4e-3], "torch": [1e-4, 2e-3, 2e-2]}
+PREFILL = {"cpp": [1e-3, 2e-3, 8e-3, 3e-2, 1e-1], "sdpa": [5e-4, 1e-3, 9e-3, 6e-2, 2e-1]}
+
+
+def test_plan_from_injected_timings():
+    plan = AttentionPlan.from_tables(*tables(DECODE, PREFILL))
+    assert plan.decode == "cpp"  # least summed over the batches, not the winner at batch 1
+    assert plan.prefill == ("sdpa", "sdpa", "cpp", "cpp", "cpp")
+    assert [plan.prefill_kernel(n) for n in (1, 16, 17, 64, 65, 300, 5000)] == ["sdpa", "sdpa", "sdpa", "sdpa", "cpp", "cpp", "cpp"]
+    assert AttentionPlan.from_tables(*tables({"cpp": [1.0, 1.0, 1.0], "torch": [0.5, 0.5, 1.5]}, PREFILL)).decode == "torch"
+    tie = AttentionPlan.from_tables(*tables({"cpp": [1.0] * 3, "torch": [1.0] * 3}, {"cpp": [1.0] * 5, "sdpa": [1.0] * 5}))
+    assert tie.decode == "cpp" and tie.prefill == ("cpp",) * 5  # ties go to the C++ kernels
+    inf = float("inf")  # a C++ prefill that declines every length (no fast path): SDPA everywhere
+    assert AttentionPlan.from_tables(*tables(DECODE, {"cpp": [inf] * 5, "sdpa": [1.0] * 5})).prefill == ("sdpa",) * 5
+
+
+def test_plan_sets_decode_padding_and_rejects_unknown_kernels(kernel_ok):
+    attn = CpuPagedAttention()
+    assert attn.plan == AttentionPlan() and not attn.pads_decodes
+    attn.plan = AttentionPlan(decode="torch")
+    assert attn.pads_decodes  # the runner then bounds the padding of the reference's decode
+    with pytest.raises(ValueError):
+        attn.plan = AttentionPlan(prefill=("flash",))
+
+
+def fake_measure(calls: list, noise: float = 1.0):
+    def measure(attn, like, num_heads, dtype, **kw):  # type: ignore[no-untyped-def]
+        calls.append((num_heads, dtype))
+        return tables(DECODE, PREFILL, noise)
+
+    return measure
+
+
+def like_cache() -> LayerCache:
+    return LayerCache(torch.zeros(3, 4, 16, 64).bfloat16(), torch.zeros(3, 4, 16, 64).bfloat16())
+
+
+def test_autotune_caches_the_tables_and_reuses_them(kernel_ok, monkeypatch, tmp_path, caplog):
+    calls: list = []
+    monkeypatch.setattr(cp, "measure_attention", fake_measure(calls))
+    attn = CpuPagedAttention()
+    with caplog.at_level(logging.INFO, logger="pdserve.attention.cpu_paged"):
+        attn.autotune(like_cache(), 9, torch.bfloat16, cache_dir=str(tmp_path))
+    assert len(calls) == 1 and attn.plan == AttentionPlan.from_tables(*tables(DECODE, PREFILL))
+    assert "prefill of a fresh prompt by length" in caplog.text and "sdpa" in caplog.text
+    assert len(list(tmp_path.glob("attention-*.json"))) == 2
+    again = CpuPagedAttention()
+    again.autotune(like_cache(), 9, torch.bfloat16, cache_dir=str(tmp_path))
+    assert len(calls) == 1 and again.plan == attn.plan  # read back, not timed
+    again.autotune(like_cache(), 18, torch.bfloat16, cache_dir=str(tmp_path))  # another shape: another key
+    assert len(calls) == 2
+
+
+def test_busy_measurement_is_used_not_cached_and_batch_invariant_pins_cpp(kernel_ok, monkeypatch, tmp_path):
+    calls: list = []
+    monkeypatch.setattr(cp, "measure_attention", fake_measure(calls, noise=10.0))
+    attn = CpuPagedAttention()
+    attn.autotune(like_cache(), 9, torch.bfloat16, cache_dir=str(tmp_path))
+    assert attn.plan.prefill[0] == "sdpa" and not list(tmp_path.iterdir())
+    attn.autotune(like_cache(), 9, torch.bfloat16, batch_invariant=True, cache_dir=str(tmp_path))
+    assert len(calls) == 1 and attn.plan == AttentionPlan()  # the C++ kernel per phase, nothing timed
+
+
+class Forbid:
+    """The kernel module with some entry points forbidden: proves a plan's choice is the one that runs."""
+
+    def __init__(self, kernel, forbidden: set[str]) -> None:  # type: ignore[no-untyped-def]
+        self._kernel, self._forbidden = kernel, forbidden
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        if name in self._forbidden:
+            raise AssertionError(f"{name} called against the plan")
+        return getattr(self._kernel, name)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("decode,prefill", list(itertools.product(cp.DECODE_KERNELS, cp.PREFILL_KERNELS)))
+def test_every_choice_matches_the_reference(kernel_ok, kv_dtype, decode, prefill):
+    attn = CpuPagedAttention(AttentionPlan(decode=decode, prefill=(prefill,)))
+    if not attn._kernel.prefill_fast_path(True, 9, 3, 64, 16):
+        pytest.skip("no AVX-512 BF16 kernels in this build")
+    forbidden = ({"paged_decode"} if decode == "torch" else set()) | ({"paged_prefill"} if prefill == "sdpa" else set())
+    attn._kernel = Forbid(attn._kernel, forbidden)
+    out, refs = mixed_step(attn, kv_dtype, (9, 3, 64), 16, torch.bfloat16)
+    for s, n, ref in refs:
+        torch.testing.assert_close(out[s : s + n].float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_real_measurement_gives_a_complete_table(kernel_ok):
+    """Smoke: the real timing runs both kernels of each phase at small sizes and fills every cell."""
+    attn = CpuPagedAttention()
+    if not attn._kernel.prefill_fast_path(True, 9, 3, 64, 16):
+        pytest.skip("no AVX-512 BF16 kernels in this build")
+    d, p = cp.measure_attention(attn, like_cache(), 9, torch.bfloat16, decode_batches=(1, 4), context=64,
+                                prefill_lens=(16, 48), repeats=1)
+    assert d.buckets == (1, 4) and p.buckets == (16, 48)
+    for t in (d, p):
+        assert all(0 < v < float("inf") for ts in t.seconds.values() for row in ts.values() for v in row)
