@@ -5,8 +5,9 @@ for its model name if none is given, replays the workload with `client.run_reque
 table and writes a JSON report holding the configuration, the summary and every per-request record.
 `run_once` is the measured part that `sweep` and `compare` repeat: it also re-counts the streamed output
 with the tokenizer when the served model is pdserve's default (a check on the server's usage) and reads
-the server's prefix-cache hit counter before and after, so a report says whether cached prompts from an
-earlier run helped this one.
+the server's `/metrics` before and after: the prefix-cache hit counter says whether cached prompts from an
+earlier run helped this one, and the speculative-decoding counters (pdserve's or vLLM's) give the run's
+acceptance rate, mean acceptance length and per-position acceptance.
 """
 
 from __future__ import annotations
@@ -21,7 +22,13 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import TextIO
 
-from pdserve.bench.client import fetch_model_name, fetch_prefix_cache_hits, run_requests
+from pdserve.bench.client import (
+    fetch_metrics_text,
+    fetch_model_name,
+    prefix_cache_hits,
+    run_requests,
+    spec_decode_counters,
+)
 from pdserve.bench.datasets import (
     DecodingTokenizer,
     SampleRequest,
@@ -31,7 +38,15 @@ from pdserve.bench.datasets import (
     sample_random,
     sample_sharegpt,
 )
-from pdserve.bench.metrics import SLO, BenchMetrics, Distribution, RequestRecord, compute_metrics
+from pdserve.bench.metrics import (
+    SLO,
+    BenchMetrics,
+    Distribution,
+    RequestRecord,
+    SpecDecodeMetrics,
+    compute_metrics,
+    spec_decode_metrics,
+)
 from pdserve.config import LoadConfig, LongPromptMix, Workload
 from pdserve.config import field_default as _default
 from pdserve.errors import PdserveError
@@ -57,6 +72,9 @@ class BenchResult:
     model: str
     # Prompt tokens the server found in its prefix cache during the run (None: the server does not say).
     prefix_cache_hit_tokens: int | None = None
+    # Draft acceptance during the run, from the server's spec-decode counters (None: it exports none or
+    # ran no drafts).
+    spec_decode: SpecDecodeMetrics | None = None
 
 
 def workload_samples(workload: Workload, tokenizer: DecodingTokenizer) -> list[SampleRequest]:
@@ -143,19 +161,24 @@ def run_once(
 ) -> BenchResult:
     """Replay `samples` once as `load` says and summarize the run."""
 
-    async def measure() -> tuple[list[RequestRecord], float, int | None]:
-        hits_before = await fetch_prefix_cache_hits(load.base_url)
+    async def measure() -> tuple[list[RequestRecord], float, str | None, str | None]:
+        before = await fetch_metrics_text(load.base_url)
         records, duration = await run_requests(load, samples, show_progress)
-        hits_after = await fetch_prefix_cache_hits(load.base_url)
-        hits = None if hits_before is None or hits_after is None else hits_after - hits_before
-        return records, duration, hits
+        after = await fetch_metrics_text(load.base_url)
+        return records, duration, before, after
 
-    records, duration, hits = asyncio.run(measure())
+    records, duration, before, after = asyncio.run(measure())
     if count_tokenizer is not None:
         for rec in records:
             if rec.success:
                 rec.tokenizer_output_len = len(count_tokenizer.encode(rec.output_text))
-    return BenchResult(compute_metrics(records, duration, slo), records, load.model, hits)
+    hits_before, hits_after = prefix_cache_hits(before), prefix_cache_hits(after)
+    hits = None if hits_before is None or hits_after is None else hits_after - hits_before
+    spec_before, spec_after = spec_decode_counters(before), spec_decode_counters(after)
+    spec = None
+    if spec_before is not None and spec_after is not None:
+        spec = spec_decode_metrics(spec_after.minus(spec_before))
+    return BenchResult(compute_metrics(records, duration, slo), records, load.model, hits, spec)
 
 
 def run_bench(
@@ -197,14 +220,14 @@ def run_bench(
         max_concurrency=max_concurrency, seed=seed,
     )
     result = run_once(load, samples, slo, output_tokenizer(model, tokenizer, count_outputs), show_progress)
-    print(format_table(result.metrics, load), file=stdout)
+    print(format_table(result.metrics, load, result.spec_decode), file=stdout)
     if out is not None:
         write_report(out, result.metrics, result.records, load, dataset, workload=workload, result=result)
     write_artifacts({"bench": result.records}, plot_dir, trace)
     return result
 
 
-def format_table(m: BenchMetrics, load: LoadConfig) -> str:
+def format_table(m: BenchMetrics, load: LoadConfig, spec: SpecDecodeMetrics | None = None) -> str:
     width = 50
 
     def row(name: str, value: object) -> str:
@@ -254,6 +277,17 @@ def format_table(m: BenchMetrics, load: LoadConfig) -> str:
     lines += dist("Time per Output Token (excl. 1st token)", "TPOT", m.tpot)
     lines += dist("Inter-token Latency", "ITL", m.itl)
     lines += dist("End-to-end Latency", "E2EL", m.e2el)
+    if spec is not None:
+        per_position = " ".join(f"{100 * a:.1f}" for a in spec.per_position_acceptance)
+        lines += [
+            section("Speculative Decoding"),
+            row("Drafts:", spec.num_drafts),
+            row("Draft tokens:", spec.num_draft_tokens),
+            row("Accepted tokens:", spec.num_accepted_tokens),
+            row("Acceptance rate (%):", 100 * spec.acceptance_rate),
+            row("Mean acceptance length:", spec.mean_acceptance_length),
+            row("Per-position acceptance (%):", per_position),
+        ]
     lines.append("=" * width)
     return "\n".join(lines)
 
@@ -303,6 +337,7 @@ def result_json(result: BenchResult) -> dict:
     return {
         "model": result.model,
         "prefix_cache_hit_tokens": result.prefix_cache_hit_tokens,
+        "spec_decode": _spec_json(result.spec_decode),
         "metrics": dataclasses.asdict(result.metrics),
         "records": [dataclasses.asdict(r) for r in result.records],
     }
@@ -327,9 +362,14 @@ def write_report(
         # One run against a server someone else started: whether it was fresh is unknown; the hit count
         # says whether prompts cached before this run helped it.
         report["server"] = {"state": "as given", "prefix_cache_hit_tokens": result.prefix_cache_hit_tokens}
+        report["spec_decode"] = _spec_json(result.spec_decode)
     report["metrics"] = dataclasses.asdict(metrics)
     report["records"] = [dataclasses.asdict(r) for r in records]
     write_json(path, report)
+
+
+def _spec_json(spec: SpecDecodeMetrics | None) -> dict | None:
+    return None if spec is None else dataclasses.asdict(spec)
 
 
 def write_json(path: str, report: dict) -> None:
