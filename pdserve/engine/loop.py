@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pdserve.batch import ModelOutput
-from pdserve.engine.executor import Executor
+from pdserve.engine.executor import Drafter, Executor
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.errors import InvalidRequestError
 from pdserve.outputs import RequestOutput
@@ -319,6 +319,11 @@ class EngineLoop:
                 continue
             self.executor.skip_draws(req, 1)
             received.append(req)
+        if received and isinstance(self.executor, Drafter):
+            running = [r for r in received if not r.is_finished]
+            drafts = self.executor.propose_received(running, len(self.scheduler.running))
+            for req, d in zip(running, drafts):
+                self.scheduler.set_drafts(req, d)
         results.extend(self.outputs.process(received, self.scheduler))
         for req in self.scheduler.reserve():
             spec = self._remote_prefill.pop(req.req_id)
