@@ -1,8 +1,9 @@
 """`pdserve bench`: one serving benchmark run against an OpenAI-compatible server.
 
-Builds the workload (ShareGPT, random or long-prompt, token lengths from the tokenizer), asks the server
-for its model name if none is given, replays the workload with `client.run_requests`, prints the summary
-table and writes a JSON report holding the configuration, the summary and every per-request record.
+Builds the workload (ShareGPT, random, long-prompt or code-edit, token lengths from the tokenizer), asks
+the server for its model name if none is given, replays the workload with `client.run_requests`, prints
+the summary table and writes a JSON report holding the configuration, the summary and every per-request
+record.
 `run_once` is the measured part that `sweep` and `compare` repeat: it also re-counts the streamed output
 with the tokenizer when the served model is pdserve's default (a check on the server's usage) and reads
 the server's `/metrics` before and after: the prefix-cache hit counter says whether cached prompts from an
@@ -47,7 +48,7 @@ from pdserve.bench.metrics import (
     compute_metrics,
     spec_decode_metrics,
 )
-from pdserve.config import LoadConfig, LongPromptMix, Workload
+from pdserve.config import CodeEditMix, LoadConfig, LongPromptMix, Workload
 from pdserve.config import field_default as _default
 from pdserve.errors import PdserveError
 from pdserve.registry import Registry
@@ -61,6 +62,7 @@ DATASETS: Registry[Callable[[DecodingTokenizer, Workload], list[SampleRequest]]]
         "sharegpt": "pdserve.bench.serve_bench:sharegpt_workload",
         "random": "pdserve.bench.serve_bench:random_workload",
         "long-prompt": "pdserve.bench.serve_bench:long_prompt_workload",
+        "code-edit": "pdserve.bench.serve_bench:code_edit_workload",
     },
 )
 
@@ -94,11 +96,12 @@ def load_samples(
     random_output_len: int = _default(Workload, "random_output_len"),
     *,
     long_prompt: LongPromptMix = LongPromptMix(),
+    code_edit: CodeEditMix = CodeEditMix(),
 ) -> list[SampleRequest]:
     """The samples of one dataset, by its parts (the registry's samplers take a whole `Workload`)."""
     workload = Workload(
         dataset=dataset, num_prompts=num_prompts, seed=seed, random_input_len=random_input_len,
-        random_output_len=random_output_len, long_prompt=long_prompt,
+        random_output_len=random_output_len, long_prompt=long_prompt, code_edit=code_edit,
     )
     return DATASETS.load(dataset)(tokenizer, workload)
 
@@ -122,6 +125,15 @@ def long_prompt_workload(tokenizer: DecodingTokenizer, w: Workload) -> list[Samp
         logger.info("ShareGPT is not installed: the short chats are random prompts")
         records = None
     return sample_long_prompt(tokenizer, w.num_prompts, w.seed, w.long_prompt, short_records=records)
+
+
+def code_edit_workload(tokenizer: DecodingTokenizer, w: Workload) -> list[SampleRequest]:
+    from pdserve.bench.code_edit import sample_code_edit
+
+    samples = sample_code_edit(tokenizer, w.num_prompts, w.seed, w.code_edit)
+    if len(samples) < w.num_prompts:
+        logger.warning("only %d of %d code-edit prompts fit the length limits", len(samples), w.num_prompts)
+    return samples
 
 
 def default_tokenizer() -> DecodingTokenizer:
@@ -197,6 +209,7 @@ def run_bench(
     random_input_len: int = _default(Workload, "random_input_len"),
     random_output_len: int = _default(Workload, "random_output_len"),
     long_prompt: LongPromptMix = LongPromptMix(),
+    code_edit: CodeEditMix = CodeEditMix(),
     tokenizer: DecodingTokenizer | None = None,
     count_outputs: bool | None = None,
     plot_dir: str | None = None,
@@ -210,7 +223,7 @@ def run_bench(
     tokenizer = tokenizer or default_tokenizer()
     workload = Workload(
         dataset=dataset, num_prompts=num_prompts, seed=seed, random_input_len=random_input_len,
-        random_output_len=random_output_len, long_prompt=long_prompt,
+        random_output_len=random_output_len, long_prompt=long_prompt, code_edit=code_edit,
     )
     samples = workload_samples(workload, tokenizer)
     if model is None:
