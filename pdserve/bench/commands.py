@@ -37,6 +37,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     arg(g, "--code-edit-max-len", CodeEditMix, "max_len")
     arg(g, "--code-edit-output-len", CodeEditMix, "output_len", type=int,
         help="tokens each request asks for (default: the function's length + 32)")
+    arg(g, "--code-edit-max-total-len", CodeEditMix, "max_total_len", help="prompt + output limit")
     arg(p, "--burstiness", LoadConfig, "burstiness", help="gamma shape of arrivals (1: Poisson)")
     arg(p, "--max-concurrency", LoadConfig, "max_concurrency", type=int)
     arg(p, "--seed", Workload, "seed")
@@ -126,7 +127,7 @@ def _workload(args: argparse.Namespace):  # type: ignore[no-untyped-def]
             min_len=args.code_edit_min_len,
             max_len=args.code_edit_max_len,
             output_len=args.code_edit_output_len,
-            max_total_len=args.max_total_len,
+            max_total_len=args.code_edit_max_total_len,
         ),
     )
 
