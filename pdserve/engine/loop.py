@@ -9,8 +9,9 @@ step's shape and duration are recorded (`step_records`) for metrics and to calib
 cost model; time is read from `clock` (the scheduler's, so every time stamp shares one clock).
 
 With a KV connector (disaggregation), each step first applies what the transport delivered (KV written
-into reserved blocks, transfers acknowledged or expired), then reserves blocks for new remote-prefill
-requests, and hands the executor a hook that sends each layer's fresh K/V of remote-decode requests.
+into reserved blocks, transfers acknowledged or expired; a speculating executor, a `Drafter`, proposes
+the first drafts of requests whose KV arrived), then reserves blocks for new remote-prefill requests,
+and hands the executor a hook that sends each layer's fresh K/V of remote-decode requests.
 The connector's module imports torch; it is imported here only when a transfer is asked for.
 """
 
