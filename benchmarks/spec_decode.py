@@ -45,7 +45,8 @@ def run_batch(llm: LLM, samples: list[SampleRequest], max_tokens: int | None = N
     """Every sample at once (each asking its `output_len`, at most `max_tokens`); output tokens per
     second of wall time."""
     params = [
-        SamplingParams(temperature=0, max_tokens=min(s.output_len, max_tokens or s.output_len), ignore_eos=True)
+        SamplingParams(temperature=0, max_tokens=min(s.output_len, max_tokens or s.output_len),
+                       ignore_eos=True)
         for s in samples
     ]
     t0 = time.perf_counter()
@@ -75,9 +76,10 @@ def single_stream(args: argparse.Namespace, llms: dict[str, LLM]) -> list[dict]:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     tok = llms["off"].tokenizer
     code = sample_code_edit(tok, args.num_prompts, args.seed, CodeEditMix(max_len=args.code_max_len))
+    chats = sample_sharegpt(tok, args.num_prompts, args.seed, max_prompt_len=512)
     workloads = {
         "code-edit": ([[{"role": "user", "content": s.prompt}] for s in code], True),
-        "sharegpt": ([s.prompt for s in sample_sharegpt(tok, args.num_prompts, args.seed, max_prompt_len=512)], False),
+        "sharegpt": ([s.prompt for s in chats], False),
     }
     rows = []
     for name, (prompts, chat) in workloads.items():
@@ -104,7 +106,7 @@ def single_stream(args: argparse.Namespace, llms: dict[str, LLM]) -> list[dict]:
 
 def saturation(args: argparse.Namespace, llms: dict[str, LLM]) -> list[dict]:
     tok = llms["off"].tokenizer
-    samples = sample_sharegpt(tok, args.saturation_prompts, args.seed, max_prompt_len=1024, max_total_len=2048)
+    samples = sample_sharegpt(tok, args.saturation_prompts, args.seed, max_prompt_len=1024)
     results = {}
     for mode, llm in llms.items():
         run_batch(llm, samples[: min(4, len(samples))], 16)  # warm-up

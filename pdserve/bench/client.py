@@ -144,11 +144,6 @@ def spec_decode_counters(text: str | None) -> SpecDecodeCounters | None:
     return None
 
 
-async def fetch_prefix_cache_hits(base_url: str, timeout_s: float = 10.0) -> int | None:
-    """`prefix_cache_hits` of one scrape."""
-    return prefix_cache_hits(await fetch_metrics_text(base_url, timeout_s))
-
-
 async def _send(
     http: httpx.AsyncClient, url: str, body: dict, rec: RequestRecord, t0: float
 ) -> None:

@@ -84,7 +84,10 @@ def edit_prompt(fn: ast.FunctionDef, code: str, rng: random.Random) -> str:
         if kind == "rename" and names:
             old = rng.choice(names)
             new = f"{old}_{rng.choice(('value', 'item', 'result', 'arg'))}"
-            ask = f"Rename `{old}` to `{new}` everywhere in this Python function and return the whole function."
+            ask = (
+                f"Rename `{old}` to `{new}` everywhere in this Python function and return the whole "
+                "function."
+            )
             break
         if kind == "fix" and bug is not None:
             code = code.replace(bug[0], bug[1], 1)
@@ -128,9 +131,8 @@ def sample_code_edit(
         # few functions are tokenized.
         near = [(fn, code) for fn, code in functions(source) if mix.min_len <= len(code) <= 8 * mix.max_len]
         rng.shuffle(near)
-        picked = next(
-            ((fn, code) for fn, code in near if mix.min_len <= len(tokenizer.encode(code)) <= mix.max_len), None
-        )
+        fit = (pair for pair in near if mix.min_len <= len(tokenizer.encode(pair[1])) <= mix.max_len)
+        picked = next(fit, None)
         if picked is None:
             continue
         fn, code = picked

@@ -61,7 +61,8 @@ class SpeculativeExecutor:
         lookup a colocated request gets after its prefill step."""
         if num_running > self.config.disable_by_batch_size:
             return [[] for _ in reqs]
-        return self.proposer.propose([DraftRequest(r.req_id, r.all_token_ids(), self._length(r)) for r in reqs])
+        asks = [DraftRequest(r.req_id, r.all_token_ids(), self._length(r)) for r in reqs]
+        return self.proposer.propose(asks)
 
     def _compute_bound(self, out: SchedulerOutput) -> bool:
         """A step this size would carry its drafts as extra compute, not as free memory-bound work."""

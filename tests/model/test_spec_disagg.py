@@ -23,7 +23,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
 
 
-def engine(weights, role: str, hub: InprocHub | None, spec: SpeculativeConfig | None, **sched):  # type: ignore[no-untyped-def]
+def engine(weights, role: str, hub: InprocHub | None, spec: SpeculativeConfig | None, **sched):  # type: ignore
     cfg = EngineConfig(
         dtype="float32",
         device="cpu",
@@ -44,7 +44,7 @@ class DraftWatch:
         self.inner = engine.executor
         self.engine = engine
         self.num_draft_steps = 0
-        self.num_draft_steps_beside_transfers = 0  # steps with drafts while another request's KV was in flight
+        self.num_draft_steps_beside_transfers = 0  # ... while another request's KV was in flight
         self.drafts: dict[str, list[int]] = {}  # req_id -> drafts run by each of its sampling steps
 
     def execute(self, out: SchedulerOutput, after_layer: Callable[[int], None] | None = None) -> ModelOutput:
