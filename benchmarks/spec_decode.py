@@ -1,49 +1,35 @@
-"""Single-stream TPOT with and without n-gram speculative decoding, side by side in one run.
+"""N-gram speculative decoding against plain decoding, side by side in one run.
 
     .venv/bin/python benchmarks/spec_decode.py [--num-prompts 4] [--max-tokens 96] [--dtype bfloat16]
+    .venv/bin/python benchmarks/spec_decode.py --saturation [--saturation-prompts 200]
 
-Workloads: (a) code editing, generated reproducibly from a fixed list of snippets (each prompt asks the
-model to fix or rewrite the snippet, so the answer repeats much of the prompt), (b) ShareGPT
-(`pdserve.bench.datasets`). Requests run one at a time (batch 1), greedy, on the bundled SmolLM2 unless
-`--model`; the same engine settings with `--speculative-config` on and off. Prints TPOT per workload,
-the speedup, the acceptance rate and the mean acceptance length (tokens per verification step).
+Single stream (default): requests one at a time (batch 1), greedy, on (a) the code-edit workload (the
+bench's `code-edit` dataset, `pdserve/bench/code_edit.py`: rename/fix/annotate one Python stdlib
+function, so the answer repeats much of the prompt; sent as chat) and (b) ShareGPT. Prints TPOT with
+and without n-gram drafts, the speedup, the acceptance rate and the mean acceptance length (1 + accepted
+/ drafts, tokens per verification step).
+
+`--saturation`: the issue's floor, "never below 0.95x the non-speculative throughput at saturation".
+ShareGPT prompts (each asking its reference reply's length, ignore_eos) all submitted at once, offline,
+with and without n-gram; prints output-token throughput of both and their ratio.
+
+The same engine settings for both modes, on the bundled SmolLM2 unless `--model`; a warm-up before
+each measured run. `--out` writes the figures as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
+import time
 
 from pdserve import LLM, SamplingParams
-from pdserve.bench.datasets import sample_sharegpt
-
-SNIPPETS = [
-    "def mean(xs):\n    total = 0\n    for x in xs:\n        total += x\n    return total / len(xs) + 1\n",
-    "def is_prime(n):\n    if n < 2:\n        return True\n    for d in range(2, n):\n        if n % d == 0:\n"
-    "            return False\n    return True\n",
-    "def reverse_words(s):\n    words = s.split(' ')\n    words.reverse\n    return ' '.join(words)\n",
-    "class Counter:\n    def __init__(self):\n        self.count = 0\n\n    def increment(self):\n"
-    "        count += 1\n        return self.count\n",
-    "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return b\n",
-    "def read_lines(path):\n    f = open(path)\n    lines = f.readlines()\n    return [l.strip() for l in lines]\n",
-]
-ASKS = [
-    "Fix the bug in this Python function and return the whole corrected code:",
-    "Rewrite this code with type hints and a docstring, keeping its behaviour:",
-    "Rename the variables in this code to clearer names and return the full code:",
-]
+from pdserve.bench.code_edit import sample_code_edit
+from pdserve.bench.datasets import SampleRequest, sample_sharegpt
+from pdserve.config import CodeEditMix
 
 
-def code_edit_prompts(n: int, seed: int = 0) -> list[list[dict[str, str]]]:
-    rng = random.Random(seed)
-    return [
-        [{"role": "user", "content": f"{rng.choice(ASKS)}\n\n```python\n{SNIPPETS[i % len(SNIPPETS)]}```"}]
-        for i in range(n)
-    ]
-
-
-def run(llm: LLM, prompts: list, params: SamplingParams, chat: bool) -> dict[str, float]:
+def run_single_stream(llm: LLM, prompts: list, params: SamplingParams, chat: bool) -> dict[str, float]:
     tpots, outs = [], 0
     for p in prompts:  # one at a time: single-stream
         o = (llm.chat(p, params, use_tqdm=False) if chat else llm.generate(p, params, use_tqdm=False))[0]
@@ -55,52 +41,122 @@ def run(llm: LLM, prompts: list, params: SamplingParams, chat: bool) -> dict[str
     return {"tpot_ms": 1000 * sum(tpots) / max(1, len(tpots)), "output_tokens": outs}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--num-prompts", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--num-speculative-tokens", type=int, default=4)
-    ap.add_argument("--num-threads", type=int, default=None)
-    ap.add_argument("--out", default=None, help="write the figures as JSON here")
-    args = ap.parse_args()
+def run_batch(llm: LLM, samples: list[SampleRequest], max_tokens: int | None = None) -> dict[str, float]:
+    """Every sample at once (each asking its `output_len`, at most `max_tokens`); output tokens per
+    second of wall time."""
+    params = [
+        SamplingParams(temperature=0, max_tokens=min(s.output_len, max_tokens or s.output_len),
+                       ignore_eos=True)
+        for s in samples
+    ]
+    t0 = time.perf_counter()
+    outs = llm.generate([s.prompt for s in samples], params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"seconds": elapsed, "output_tokens": n, "output_tok_s": n / elapsed if elapsed > 0 else 0.0}
 
-    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
-            "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+
+def measure(llm: LLM, run) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """`run(llm)`'s figures plus the speculation counters it moved."""
+    before = _stats(llm)
+    result = run(llm)
+    after = _stats(llm)
+    result.update({k: after[k] - before[k] for k in after})
+    return result
+
+
+def acceptance(s: dict[str, float]) -> tuple[float, float]:
+    """(acceptance rate, mean acceptance length) of a run's counter deltas; zeros without drafts."""
+    if not s["drafts"]:
+        return 0.0, 0.0
+    return s["accepted"] / s["draft_tokens"], 1 + s["accepted"] / s["drafts"]
+
+
+def single_stream(args: argparse.Namespace, llms: dict[str, LLM]) -> list[dict]:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    llms = {
-        "off": LLM(args.model, dtype=args.dtype, num_threads=args.num_threads, kv_cache_memory_gb=0.5),
-        "ngram": LLM(args.model, dtype=args.dtype, num_threads=args.num_threads, kv_cache_memory_gb=0.5,
-                     speculative_config=spec),
-    }
     tok = llms["off"].tokenizer
+    code = sample_code_edit(tok, args.num_prompts, args.seed, CodeEditMix(max_len=args.code_max_len))
+    chats = sample_sharegpt(tok, args.num_prompts, args.seed, max_prompt_len=512)
     workloads = {
-        "code-edit": (code_edit_prompts(args.num_prompts), True),
-        "sharegpt": ([r.prompt for r in sample_sharegpt(tok, args.num_prompts, seed=0, max_prompt_len=512)], False),  # type: ignore[arg-type]
+        "code-edit": ([[{"role": "user", "content": s.prompt}] for s in code], True),
+        "sharegpt": ([s.prompt for s in chats], False),
     }
     rows = []
     for name, (prompts, chat) in workloads.items():
         results = {}
         for mode, llm in llms.items():
-            run(llm, prompts[:1], params, chat)  # warm-up (kernels, allocator)
-            before = _stats(llm)
-            results[mode] = run(llm, prompts, params, chat)
-            after = _stats(llm)
-            results[mode].update({k: after[k] - before[k] for k in after})
+            run_single_stream(llm, prompts[:1], params, chat)  # warm-up (kernels, allocator)
+            results[mode] = measure(llm, lambda l: run_single_stream(l, prompts, params, chat))
         s = results["ngram"]
+        rate, length = acceptance(s)
         rows.append({
             "workload": name,
             "tpot_off_ms": results["off"]["tpot_ms"],
             "tpot_ngram_ms": s["tpot_ms"],
             "speedup": results["off"]["tpot_ms"] / s["tpot_ms"] if s["tpot_ms"] else float("nan"),
-            "acceptance_rate": s["accepted"] / s["draft_tokens"] if s["draft_tokens"] else 0.0,
-            "mean_acceptance_length": 1 + s["accepted"] / s["drafts"] if s["drafts"] else 0.0,
+            "acceptance_rate": rate,
+            "mean_acceptance_length": length,
         })
     print(f"{'workload':<10} {'TPOT off ms':>12} {'TPOT ngram ms':>14} {'speedup':>8} {'accept':>7} {'mean len':>9}")
     for r in rows:
         print(f"{r['workload']:<10} {r['tpot_off_ms']:>12.2f} {r['tpot_ngram_ms']:>14.2f} {r['speedup']:>7.2f}x "
               f"{r['acceptance_rate']:>7.2f} {r['mean_acceptance_length']:>9.2f}")
+    return rows
+
+
+def saturation(args: argparse.Namespace, llms: dict[str, LLM]) -> list[dict]:
+    tok = llms["off"].tokenizer
+    samples = sample_sharegpt(tok, args.saturation_prompts, args.seed, max_prompt_len=1024)
+    results = {}
+    for mode, llm in llms.items():
+        run_batch(llm, samples[: min(4, len(samples))], 16)  # warm-up
+        results[mode] = measure(llm, lambda l: run_batch(l, samples, args.saturation_max_tokens))
+    off, on = results["off"], results["ngram"]
+    rate, length = acceptance(on)
+    row = {
+        "workload": f"sharegpt x{len(samples)} at once",
+        "output_tok_s_off": off["output_tok_s"],
+        "output_tok_s_ngram": on["output_tok_s"],
+        "ratio": on["output_tok_s"] / off["output_tok_s"] if off["output_tok_s"] else float("nan"),
+        "drafts": on["drafts"],
+        "acceptance_rate": rate,
+        "mean_acceptance_length": length,
+    }
+    print(f"{'workload':<26} {'off tok/s':>10} {'ngram tok/s':>12} {'ratio':>6} {'drafts':>7} {'accept':>7} {'mean len':>9}")
+    print(f"{row['workload']:<26} {row['output_tok_s_off']:>10.1f} {row['output_tok_s_ngram']:>12.1f} "
+          f"{row['ratio']:>5.2f}x {row['drafts']:>7} {rate:>7.2f} {length:>9.2f}")
+    print("target: ratio >= 0.95 (speculation must not cost throughput at saturation)")
+    return [row]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--num-prompts", type=int, default=4, help="single stream: prompts per workload")
+    ap.add_argument("--max-tokens", type=int, default=96, help="single stream: tokens per request")
+    ap.add_argument("--code-max-len", type=int, default=512, help="code-edit: tokens of the quoted function")
+    ap.add_argument("--saturation", action="store_true", help="offline ShareGPT at saturation instead")
+    ap.add_argument("--saturation-prompts", type=int, default=200)
+    ap.add_argument("--saturation-max-tokens", type=int, default=None,
+                    help="cap on each request's output (default: its ShareGPT reply's length)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                    help="default: 0.5 single stream, 4 at saturation")
+    ap.add_argument("--out", default=None, help="write the figures as JSON here")
+    args = ap.parse_args()
+
+    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+            "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    kv_gb = args.kv_cache_memory_gb or (4.0 if args.saturation else 0.5)
+    common = dict(dtype=args.dtype, num_threads=args.num_threads, kv_cache_memory_gb=kv_gb)
+    llms = {
+        "off": LLM(args.model, **common),
+        "ngram": LLM(args.model, speculative_config=spec, **common),
+    }
+    rows = saturation(args, llms) if args.saturation else single_stream(args, llms)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=2)

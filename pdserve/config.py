@@ -444,7 +444,7 @@ class RouterConfig:
 
 # The benchmark client's settings (`pdserve bench`, pdserve/bench/).
 
-BENCH_DATASETS = ("sharegpt", "random", "long-prompt")
+BENCH_DATASETS = ("sharegpt", "random", "long-prompt", "code-edit")
 BENCH_ENDPOINTS = ("completions", "chat")  # bench/client.py's ENDPOINTS maps them to paths
 
 
@@ -483,6 +483,27 @@ class LongPromptMix:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class CodeEditMix:
+    """Shape of the code-editing workload (`bench/code_edit.py`): each prompt asks to rename, fix or
+    annotate one function taken from the Python standard library, so the answer repeats it."""
+
+    min_len: int = 64  # tokens of the function quoted in the prompt (inclusive range)
+    max_len: int = 512
+    output_len: int | None = None  # tokens to ask for; None: the function's length plus 32 (its rewrite)
+    max_total_len: int = 2048  # prompt + output of any request
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_len <= self.max_len:
+            raise ValueError(f"code-edit lengths need 1 <= min <= max, got {self.min_len}, {self.max_len}")
+        if self.output_len is not None and self.output_len < 1:
+            raise ValueError(f"code-edit output_len must be >= 1, got {self.output_len}")
+        if self.max_len >= self.max_total_len:
+            raise ValueError(
+                f"code-edit max_len={self.max_len} leaves no room in max_total_len={self.max_total_len}"
+            )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Workload:
     """What to send: the dataset and its knobs. The same workload is replayed by every run of a sweep or
     comparison (`bench/serve_bench.py` `workload_samples` turns it into requests)."""
@@ -493,6 +514,7 @@ class Workload:
     random_input_len: int = 1024
     random_output_len: int = 128
     long_prompt: LongPromptMix = field(default_factory=LongPromptMix)
+    code_edit: CodeEditMix = field(default_factory=CodeEditMix)
 
     def __post_init__(self) -> None:
         if self.dataset not in BENCH_DATASETS:

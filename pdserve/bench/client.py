@@ -25,10 +25,13 @@ from tqdm import tqdm
 
 from pdserve.bench.datasets import SampleRequest
 from pdserve.config import LoadConfig
-from pdserve.bench.metrics import RequestRecord
+from pdserve.bench.metrics import RequestRecord, SpecDecodeCounters
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 PREFIX_HITS_METRIC = "pdserve:prefix_cache_hit_tokens_total"
+# `/metrics` name prefixes of the speculative-decoding counters, pdserve's first (a counter `X` is
+# exported as the sample `X_total`).
+SPEC_METRIC_PREFIXES = ("pdserve:spec_decode_", "vllm:spec_decode_")
 
 
 def api_root(base_url: str) -> str:
@@ -86,24 +89,59 @@ def _choice_text(choice: dict) -> str:
     return (choice.get("delta") or {}).get("content") or ""
 
 
-async def fetch_prefix_cache_hits(base_url: str, timeout_s: float = 10.0) -> int | None:
-    """Prompt tokens the server has found in its prefix cache so far, from pdserve's `/metrics`; None
-    when the server does not export that counter (another engine) or `/metrics` does not answer."""
-    from prometheus_client.parser import text_string_to_metric_families
-
+async def fetch_metrics_text(base_url: str, timeout_s: float = 10.0) -> str | None:
+    """The server's Prometheus `/metrics` text; None when it does not answer (another engine may not
+    serve it)."""
     try:
         async with httpx.AsyncClient(trust_env=False, timeout=timeout_s) as http:
             r = await http.get(api_root(base_url) + "/metrics")
             r.raise_for_status()
     except httpx.HTTPError:
         return None
-    hits = [
-        s.value
-        for family in text_string_to_metric_families(r.text)
-        for s in family.samples
-        if s.name == PREFIX_HITS_METRIC
-    ]
+    return r.text
+
+
+def _samples(text: str) -> list:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def prefix_cache_hits(text: str | None) -> int | None:
+    """Prompt tokens the server has found in its prefix cache so far, from pdserve's `/metrics` text;
+    None when the server does not export that counter (another engine) or `/metrics` did not answer."""
+    if text is None:
+        return None
+    hits = [s.value for s in _samples(text) if s.name == PREFIX_HITS_METRIC]
     return int(sum(hits)) if hits else None
+
+
+def spec_decode_counters(text: str | None) -> SpecDecodeCounters | None:
+    """The speculative-decoding counters in `/metrics` text: pdserve's `pdserve:spec_decode_*` or vLLM's
+    `vllm:spec_decode_*` (same names and labels), summed over models; None when neither is exported."""
+    if text is None:
+        return None
+    samples = _samples(text)
+    for prefix in SPEC_METRIC_PREFIXES:
+        totals: dict[str, float] = {}
+        per_pos: dict[int, float] = {}
+        for s in samples:
+            if not s.name.startswith(prefix) or not s.name.endswith("_total"):
+                continue
+            name = s.name[len(prefix) : -len("_total")]
+            if name == "num_accepted_tokens_per_pos":
+                pos = int(s.labels["position"])
+                per_pos[pos] = per_pos.get(pos, 0.0) + s.value
+            else:
+                totals[name] = totals.get(name, 0.0) + s.value
+        if "num_draft_tokens" in totals:
+            return SpecDecodeCounters(
+                int(totals.get("num_drafts", 0)),
+                int(totals["num_draft_tokens"]),
+                int(totals.get("num_accepted_tokens", 0)),
+                tuple(int(per_pos.get(i, 0)) for i in range(max(per_pos, default=-1) + 1)),
+            )
+    return None
 
 
 async def _send(

@@ -15,6 +15,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     """What to send and how: the options every bench command shares. Defaults and choices come from
     pdserve/config.py (`Workload`, `LongPromptMix`, `LoadConfig`)."""
     from pdserve.config import BENCH_DATASETS, BENCH_ENDPOINTS, LoadConfig, LongPromptMix, Workload
+    from pdserve.config import CodeEditMix
     from pdserve.config import add_config_argument as arg
 
     p.add_argument("--model", default=None, help="the `model` to send (default: the first of /v1/models)")
@@ -31,6 +32,12 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     arg(g, "--max-total-len", LongPromptMix, "max_total_len", help="prompt + output limit (the context)")
     arg(g, "--short-input-len", LongPromptMix, "short_input_len", help="random short chats: prompt tokens")
     arg(g, "--short-output-len", LongPromptMix, "short_output_len", help="random short chats: output tokens")
+    g = p.add_argument_group("code-edit dataset (stdlib functions to rename, fix or annotate)")
+    arg(g, "--code-edit-min-len", CodeEditMix, "min_len", help="tokens of the quoted function")
+    arg(g, "--code-edit-max-len", CodeEditMix, "max_len")
+    arg(g, "--code-edit-output-len", CodeEditMix, "output_len", type=int,
+        help="tokens each request asks for (default: the function's length + 32)")
+    arg(g, "--code-edit-max-total-len", CodeEditMix, "max_total_len", help="prompt + output limit")
     arg(p, "--burstiness", LoadConfig, "burstiness", help="gamma shape of arrivals (1: Poisson)")
     arg(p, "--max-concurrency", LoadConfig, "max_concurrency", type=int)
     arg(p, "--seed", Workload, "seed")
@@ -100,7 +107,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _workload(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from pdserve.config import LongPromptMix, Workload
+    from pdserve.config import CodeEditMix, LongPromptMix, Workload
 
     mix = LongPromptMix(
         fraction=args.long_prompt_fraction,
@@ -118,6 +125,12 @@ def _workload(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         random_input_len=args.random_input_len,
         random_output_len=args.random_output_len,
         long_prompt=mix,
+        code_edit=CodeEditMix(
+            min_len=args.code_edit_min_len,
+            max_len=args.code_edit_max_len,
+            output_len=args.code_edit_output_len,
+            max_total_len=args.code_edit_max_total_len,
+        ),
     )
 
 
@@ -149,6 +162,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         random_input_len=workload.random_input_len,
         random_output_len=workload.random_output_len,
         long_prompt=workload.long_prompt,
+        code_edit=workload.code_edit,
         count_outputs=args.count_output_tokens,
         plot_dir=args.plot_dir,
         trace=args.trace,

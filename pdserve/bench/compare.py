@@ -50,7 +50,8 @@ class ModeResult:
     result: BenchResult
 
 
-def _rows(m: BenchMetrics, prefix_hits: int | None) -> list[tuple[str, str]]:
+def _rows(result: BenchResult) -> list[tuple[str, str]]:
+    m, spec = result.metrics, result.spec_decode
     rows = [
         ("successful requests", str(m.completed)),
         ("failed requests", str(m.failed)),
@@ -76,13 +77,16 @@ def _rows(m: BenchMetrics, prefix_hits: int | None) -> list[tuple[str, str]]:
         ]
     rows += [
         ("output tokens != tokenizer", num_text(m.output_len_mismatches)),
-        ("prefix-cache hit tokens", num_text(prefix_hits)),
+        ("prefix-cache hit tokens", num_text(result.prefix_cache_hit_tokens)),
+        # "-" where the mode ran no drafts (speculation off).
+        ("draft acceptance (%)", num_text(None if spec is None else 100 * spec.acceptance_rate)),
+        ("mean acceptance length", num_text(None if spec is None else spec.mean_acceptance_length, 2)),
     ]
     return rows
 
 
 def format_compare_table(modes: Sequence[ModeResult], request_rate: float) -> str:
-    columns = [_rows(mr.result.metrics, mr.result.prefix_cache_hit_tokens) for mr in modes]
+    columns = [_rows(mr.result) for mr in modes]
     header = ["mode", *(mr.preset.name for mr in modes)]
     names = [name for name, _ in columns[0]] if columns else []
     rows = [[name, *(col[i][1] for col in columns)] for i, name in enumerate(names)]

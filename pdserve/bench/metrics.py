@@ -211,3 +211,57 @@ def compute_metrics(records: list[RequestRecord], duration_s: float, slo: SLO | 
         slo_attainment=attainment,
         output_len_mismatches=mismatches,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class SpecDecodeCounters:
+    """A server's cumulative speculative-decoding counters at one scrape of `/metrics` (pdserve's
+    `pdserve:spec_decode_*`, vLLM's `vllm:spec_decode_*`): verification steps that ran drafts, draft
+    tokens verified, drafts accepted, and drafts accepted at each position of a draft."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_pos: tuple[int, ...] = ()
+
+    def minus(self, before: SpecDecodeCounters) -> SpecDecodeCounters:
+        """The counts of the interval since `before` (a position absent from `before` counted 0 then)."""
+        pos = [
+            n - (before.accepted_per_pos[i] if i < len(before.accepted_per_pos) else 0)
+            for i, n in enumerate(self.accepted_per_pos)
+        ]
+        return SpecDecodeCounters(
+            self.num_drafts - before.num_drafts,
+            self.num_draft_tokens - before.num_draft_tokens,
+            self.num_accepted_tokens - before.num_accepted_tokens,
+            tuple(pos),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SpecDecodeMetrics:
+    """Acceptance over one run, as vLLM defines it: acceptance rate = accepted / draft tokens; mean
+    acceptance length = 1 + accepted / drafts (tokens each verification step yields, its own token
+    included); per-position acceptance [i] = drafts accepted at position i / drafts."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    acceptance_rate: float
+    mean_acceptance_length: float
+    per_position_acceptance: list[float]
+
+
+def spec_decode_metrics(delta: SpecDecodeCounters) -> SpecDecodeMetrics | None:
+    """The acceptance of a run whose counters moved by `delta`; None when it ran no drafts (speculation
+    off, or no draft ever proposed), so a report says nothing rather than a rate of 0/0."""
+    if delta.num_drafts <= 0 or delta.num_draft_tokens <= 0:
+        return None
+    return SpecDecodeMetrics(
+        num_drafts=delta.num_drafts,
+        num_draft_tokens=delta.num_draft_tokens,
+        num_accepted_tokens=delta.num_accepted_tokens,
+        acceptance_rate=delta.num_accepted_tokens / delta.num_draft_tokens,
+        mean_acceptance_length=1.0 + delta.num_accepted_tokens / delta.num_drafts,
+        per_position_acceptance=[n / delta.num_drafts for n in delta.accepted_per_pos],
+    )

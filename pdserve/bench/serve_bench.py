@@ -1,12 +1,14 @@
 """`pdserve bench`: one serving benchmark run against an OpenAI-compatible server.
 
-Builds the workload (ShareGPT, random or long-prompt, token lengths from the tokenizer), asks the server
-for its model name if none is given, replays the workload with `client.run_requests`, prints the summary
-table and writes a JSON report holding the configuration, the summary and every per-request record.
+Builds the workload (ShareGPT, random, long-prompt or code-edit, token lengths from the tokenizer), asks
+the server for its model name if none is given, replays the workload with `client.run_requests`, prints
+the summary table and writes a JSON report holding the configuration, the summary and every per-request
+record.
 `run_once` is the measured part that `sweep` and `compare` repeat: it also re-counts the streamed output
 with the tokenizer when the served model is pdserve's default (a check on the server's usage) and reads
-the server's prefix-cache hit counter before and after, so a report says whether cached prompts from an
-earlier run helped this one.
+the server's `/metrics` before and after: the prefix-cache hit counter says whether cached prompts from an
+earlier run helped this one, and the speculative-decoding counters (pdserve's or vLLM's) give the run's
+acceptance rate, mean acceptance length and per-position acceptance.
 """
 
 from __future__ import annotations
@@ -21,7 +23,13 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import TextIO
 
-from pdserve.bench.client import fetch_model_name, fetch_prefix_cache_hits, run_requests
+from pdserve.bench.client import (
+    fetch_metrics_text,
+    fetch_model_name,
+    prefix_cache_hits,
+    run_requests,
+    spec_decode_counters,
+)
 from pdserve.bench.datasets import (
     DecodingTokenizer,
     SampleRequest,
@@ -31,8 +39,16 @@ from pdserve.bench.datasets import (
     sample_random,
     sample_sharegpt,
 )
-from pdserve.bench.metrics import SLO, BenchMetrics, Distribution, RequestRecord, compute_metrics
-from pdserve.config import LoadConfig, LongPromptMix, Workload
+from pdserve.bench.metrics import (
+    SLO,
+    BenchMetrics,
+    Distribution,
+    RequestRecord,
+    SpecDecodeMetrics,
+    compute_metrics,
+    spec_decode_metrics,
+)
+from pdserve.config import CodeEditMix, LoadConfig, LongPromptMix, Workload
 from pdserve.config import field_default as _default
 from pdserve.errors import PdserveError
 from pdserve.registry import Registry
@@ -46,6 +62,7 @@ DATASETS: Registry[Callable[[DecodingTokenizer, Workload], list[SampleRequest]]]
         "sharegpt": "pdserve.bench.serve_bench:sharegpt_workload",
         "random": "pdserve.bench.serve_bench:random_workload",
         "long-prompt": "pdserve.bench.serve_bench:long_prompt_workload",
+        "code-edit": "pdserve.bench.serve_bench:code_edit_workload",
     },
 )
 
@@ -57,6 +74,9 @@ class BenchResult:
     model: str
     # Prompt tokens the server found in its prefix cache during the run (None: the server does not say).
     prefix_cache_hit_tokens: int | None = None
+    # Draft acceptance during the run, from the server's spec-decode counters (None: it exports none or
+    # ran no drafts).
+    spec_decode: SpecDecodeMetrics | None = None
 
 
 def workload_samples(workload: Workload, tokenizer: DecodingTokenizer) -> list[SampleRequest]:
@@ -76,11 +96,12 @@ def load_samples(
     random_output_len: int = _default(Workload, "random_output_len"),
     *,
     long_prompt: LongPromptMix = LongPromptMix(),
+    code_edit: CodeEditMix = CodeEditMix(),
 ) -> list[SampleRequest]:
     """The samples of one dataset, by its parts (the registry's samplers take a whole `Workload`)."""
     workload = Workload(
         dataset=dataset, num_prompts=num_prompts, seed=seed, random_input_len=random_input_len,
-        random_output_len=random_output_len, long_prompt=long_prompt,
+        random_output_len=random_output_len, long_prompt=long_prompt, code_edit=code_edit,
     )
     return DATASETS.load(dataset)(tokenizer, workload)
 
@@ -104,6 +125,15 @@ def long_prompt_workload(tokenizer: DecodingTokenizer, w: Workload) -> list[Samp
         logger.info("ShareGPT is not installed: the short chats are random prompts")
         records = None
     return sample_long_prompt(tokenizer, w.num_prompts, w.seed, w.long_prompt, short_records=records)
+
+
+def code_edit_workload(tokenizer: DecodingTokenizer, w: Workload) -> list[SampleRequest]:
+    from pdserve.bench.code_edit import sample_code_edit
+
+    samples = sample_code_edit(tokenizer, w.num_prompts, w.seed, w.code_edit)
+    if len(samples) < w.num_prompts:
+        logger.warning("only %d of %d code-edit prompts fit the length limits", len(samples), w.num_prompts)
+    return samples
 
 
 def default_tokenizer() -> DecodingTokenizer:
@@ -143,19 +173,24 @@ def run_once(
 ) -> BenchResult:
     """Replay `samples` once as `load` says and summarize the run."""
 
-    async def measure() -> tuple[list[RequestRecord], float, int | None]:
-        hits_before = await fetch_prefix_cache_hits(load.base_url)
+    async def measure() -> tuple[list[RequestRecord], float, str | None, str | None]:
+        before = await fetch_metrics_text(load.base_url)
         records, duration = await run_requests(load, samples, show_progress)
-        hits_after = await fetch_prefix_cache_hits(load.base_url)
-        hits = None if hits_before is None or hits_after is None else hits_after - hits_before
-        return records, duration, hits
+        after = await fetch_metrics_text(load.base_url)
+        return records, duration, before, after
 
-    records, duration, hits = asyncio.run(measure())
+    records, duration, before, after = asyncio.run(measure())
     if count_tokenizer is not None:
         for rec in records:
             if rec.success:
                 rec.tokenizer_output_len = len(count_tokenizer.encode(rec.output_text))
-    return BenchResult(compute_metrics(records, duration, slo), records, load.model, hits)
+    hits_before, hits_after = prefix_cache_hits(before), prefix_cache_hits(after)
+    hits = None if hits_before is None or hits_after is None else hits_after - hits_before
+    spec_before, spec_after = spec_decode_counters(before), spec_decode_counters(after)
+    spec = None
+    if spec_before is not None and spec_after is not None:
+        spec = spec_decode_metrics(spec_after.minus(spec_before))
+    return BenchResult(compute_metrics(records, duration, slo), records, load.model, hits, spec)
 
 
 def run_bench(
@@ -174,6 +209,7 @@ def run_bench(
     random_input_len: int = _default(Workload, "random_input_len"),
     random_output_len: int = _default(Workload, "random_output_len"),
     long_prompt: LongPromptMix = LongPromptMix(),
+    code_edit: CodeEditMix = CodeEditMix(),
     tokenizer: DecodingTokenizer | None = None,
     count_outputs: bool | None = None,
     plot_dir: str | None = None,
@@ -187,7 +223,7 @@ def run_bench(
     tokenizer = tokenizer or default_tokenizer()
     workload = Workload(
         dataset=dataset, num_prompts=num_prompts, seed=seed, random_input_len=random_input_len,
-        random_output_len=random_output_len, long_prompt=long_prompt,
+        random_output_len=random_output_len, long_prompt=long_prompt, code_edit=code_edit,
     )
     samples = workload_samples(workload, tokenizer)
     if model is None:
@@ -197,14 +233,14 @@ def run_bench(
         max_concurrency=max_concurrency, seed=seed,
     )
     result = run_once(load, samples, slo, output_tokenizer(model, tokenizer, count_outputs), show_progress)
-    print(format_table(result.metrics, load), file=stdout)
+    print(format_table(result.metrics, load, result.spec_decode), file=stdout)
     if out is not None:
         write_report(out, result.metrics, result.records, load, dataset, workload=workload, result=result)
     write_artifacts({"bench": result.records}, plot_dir, trace)
     return result
 
 
-def format_table(m: BenchMetrics, load: LoadConfig) -> str:
+def format_table(m: BenchMetrics, load: LoadConfig, spec: SpecDecodeMetrics | None = None) -> str:
     width = 50
 
     def row(name: str, value: object) -> str:
@@ -254,6 +290,17 @@ def format_table(m: BenchMetrics, load: LoadConfig) -> str:
     lines += dist("Time per Output Token (excl. 1st token)", "TPOT", m.tpot)
     lines += dist("Inter-token Latency", "ITL", m.itl)
     lines += dist("End-to-end Latency", "E2EL", m.e2el)
+    if spec is not None:
+        per_position = " ".join(f"{100 * a:.1f}" for a in spec.per_position_acceptance)
+        lines += [
+            section("Speculative Decoding"),
+            row("Drafts:", spec.num_drafts),
+            row("Draft tokens:", spec.num_draft_tokens),
+            row("Accepted tokens:", spec.num_accepted_tokens),
+            row("Acceptance rate (%):", 100 * spec.acceptance_rate),
+            row("Mean acceptance length:", spec.mean_acceptance_length),
+            row("Per-position acceptance (%):", per_position),
+        ]
     lines.append("=" * width)
     return "\n".join(lines)
 
@@ -303,6 +350,7 @@ def result_json(result: BenchResult) -> dict:
     return {
         "model": result.model,
         "prefix_cache_hit_tokens": result.prefix_cache_hit_tokens,
+        "spec_decode": _spec_json(result.spec_decode),
         "metrics": dataclasses.asdict(result.metrics),
         "records": [dataclasses.asdict(r) for r in result.records],
     }
@@ -327,9 +375,14 @@ def write_report(
         # One run against a server someone else started: whether it was fresh is unknown; the hit count
         # says whether prompts cached before this run helped it.
         report["server"] = {"state": "as given", "prefix_cache_hit_tokens": result.prefix_cache_hit_tokens}
+        report["spec_decode"] = _spec_json(result.spec_decode)
     report["metrics"] = dataclasses.asdict(metrics)
     report["records"] = [dataclasses.asdict(r) for r in records]
     write_json(path, report)
+
+
+def _spec_json(spec: SpecDecodeMetrics | None) -> dict | None:
+    return None if spec is None else dataclasses.asdict(spec)
 
 
 def write_json(path: str, report: dict) -> None:

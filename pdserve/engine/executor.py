@@ -8,7 +8,7 @@ without a model (tests, and the simulator that drives the real scheduler). The l
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 from pdserve.batch import ModelOutput
@@ -36,4 +36,16 @@ class Executor(Protocol):
     def skip_draws(self, req: Request, num_draws: int) -> None:
         """Advance a seeded request's sampler past draws made elsewhere (its first token, sampled by a
         prefill instance), so its later tokens equal those of a colocated run."""
+        ...
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """An executor that speculates (`pdserve.spec.SpeculativeExecutor`). Drafts normally come with a
+    step's output; a request whose prompt and first token were computed elsewhere (a decode instance's
+    request whose KV arrived) gets its first drafts here, so its first step here already verifies some."""
+
+    def propose_received(self, reqs: Sequence[Request], num_running: int) -> list[list[int]]:
+        """Drafts for each of `reqs` (running, prompt KV and first token in place); none for any when
+        `num_running` requests make the next step compute-bound."""
         ...

@@ -9,8 +9,9 @@ step's shape and duration are recorded (`step_records`) for metrics and to calib
 cost model; time is read from `clock` (the scheduler's, so every time stamp shares one clock).
 
 With a KV connector (disaggregation), each step first applies what the transport delivered (KV written
-into reserved blocks, transfers acknowledged or expired), then reserves blocks for new remote-prefill
-requests, and hands the executor a hook that sends each layer's fresh K/V of remote-decode requests.
+into reserved blocks, transfers acknowledged or expired; a speculating executor, a `Drafter`, proposes
+the first drafts of requests whose KV arrived), then reserves blocks for new remote-prefill requests,
+and hands the executor a hook that sends each layer's fresh K/V of remote-decode requests.
 The connector's module imports torch; it is imported here only when a transfer is asked for.
 """
 
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pdserve.batch import ModelOutput
-from pdserve.engine.executor import Executor
+from pdserve.engine.executor import Drafter, Executor
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.errors import InvalidRequestError
 from pdserve.outputs import RequestOutput
@@ -319,6 +320,11 @@ class EngineLoop:
                 continue
             self.executor.skip_draws(req, 1)
             received.append(req)
+        if received and isinstance(self.executor, Drafter):
+            running = [r for r in received if not r.is_finished]
+            drafts = self.executor.propose_received(running, len(self.scheduler.running))
+            for req, d in zip(running, drafts):
+                self.scheduler.set_drafts(req, d)
         results.extend(self.outputs.process(received, self.scheduler))
         for req in self.scheduler.reserve():
             spec = self._remote_prefill.pop(req.req_id)

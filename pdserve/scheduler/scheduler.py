@@ -210,6 +210,11 @@ class Scheduler:
             self.running.append(req)
         return req
 
+    def set_drafts(self, req: Request, drafts: Sequence[int]) -> None:
+        """Drafts proposed outside a step (a request whose KV and first token just arrived) for the
+        request's next step, capped as those that come with a step's output."""
+        req.spec_token_ids = list(drafts[: self._max_spec_tokens(req)])
+
     def finish_sending(self, req_id: str, error: str | None = None) -> Request | None:
         """The KV transfer of a prefilled request ended (error None: delivered); free its blocks."""
         req = self.sending.pop(req_id, None)

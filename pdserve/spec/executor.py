@@ -3,7 +3,7 @@ carries), then proposes the next drafts of every request that sampled."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from pdserve.batch import ModelOutput
 from pdserve.config import SpeculativeConfig
@@ -55,6 +55,14 @@ class SpeculativeExecutor:
         ]
         result.spec_token_ids = self.proposer.propose(asks)
         return result
+
+    def propose_received(self, reqs: Sequence[Request], num_running: int) -> list[list[int]]:
+        """First drafts of requests whose prompt and first token came from a prefill instance: the same
+        lookup a colocated request gets after its prefill step."""
+        if num_running > self.config.disable_by_batch_size:
+            return [[] for _ in reqs]
+        asks = [DraftRequest(r.req_id, r.all_token_ids(), self._length(r)) for r in reqs]
+        return self.proposer.propose(asks)
 
     def _compute_bound(self, out: SchedulerOutput) -> bool:
         """A step this size would carry its drafts as extra compute, not as free memory-bound work."""

@@ -145,3 +145,43 @@ def test_failed_requests_are_recorded_not_raised(server, tokenizer):
     )
     assert (result.metrics.completed, result.metrics.failed) == (0, 2)
     assert all(r.error.startswith("HTTP 404") and not r.success for r in result.records)
+
+
+def test_speculating_server_reports_acceptance_on_code_edit(tmp_path, capsys):
+    """A tiny server with n-gram speculation, benchmarked on the code-edit dataset through the CLI: the
+    report carries the run's acceptance from the server's `pdserve:spec_decode_*` counters."""
+    spec = json.dumps(
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    )
+    srv = ServerProcess(
+        tiny_server_args("--stats-interval", "0", "--speculative-config", spec), env=quiet_env()
+    ).start()
+    try:
+        url = srv.wait_ready().url
+        out = tmp_path / "spec.json"
+        args = [
+            "bench", "--base-url", url, "--dataset", "code-edit", "--num-prompts", "3",
+            "--code-edit-max-len", "200", "--code-edit-output-len", "24", "--code-edit-max-total-len", "512",
+            "--out", str(out), "--no-progress",
+        ]
+        assert main(args) == 0
+    finally:
+        srv.close()
+    table = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["metrics"]["completed"] == 3
+    spec_report = report["spec_decode"]
+    assert spec_report is not None and spec_report["num_drafts"] > 0, table
+    assert 0.0 <= spec_report["acceptance_rate"] <= 1.0
+    assert spec_report["mean_acceptance_length"] == pytest.approx(
+        1 + spec_report["num_accepted_tokens"] / spec_report["num_drafts"]
+    )
+    assert "Mean acceptance length:" in table
+
+
+def test_plain_server_reports_no_acceptance(server, tokenizer):
+    result = run_bench(
+        server.url, None, "random", 2, math.inf, random_input_len=INPUT_LEN, random_output_len=OUTPUT_LEN,
+        tokenizer=tokenizer, show_progress=False, stdout=io.StringIO(),
+    )
+    assert result.metrics.completed == 2 and result.spec_decode is None
