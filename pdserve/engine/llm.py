@@ -48,6 +48,8 @@ class LLM:
         model_config: ModelConfig | None = None,
         weights: dict | None = None,
         tokenizer: object | None = None,
+        draft_model_config: ModelConfig | None = None,
+        draft_weights: dict | None = None,
     ) -> None:
         """`model` is a .gguf file or a Hugging Face directory (None: the bundled SmolLM2-135M-Instruct).
         `model_config` + `weights` (+ `tokenizer`) build an engine from in-memory weights instead (tests).
@@ -87,7 +89,8 @@ class LLM:
                 preemption_mode=preemption_mode,
             ),
         )
-        self.engine = LLMEngine(config, model_config=model_config, weights=weights, tokenizer=tokenizer)
+        self.engine = LLMEngine(config, model_config=model_config, weights=weights, tokenizer=tokenizer,
+                                draft_model_config=draft_model_config, draft_weights=draft_weights)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
