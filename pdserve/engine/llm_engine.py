@@ -215,9 +215,9 @@ class LLMEngine(EngineLoop):
         cost = spec.draft_cost
         if cost is None:  # decode is memory-bound: a step's time goes with the weight bytes it streams
             cost = min(0.99, _num_params(model) / max(1, _num_params(self.model)))
-        max_len = min(self.max_model_len, draft_config.max_position_embeddings, num_blocks * cfg.cache.block_size)
-        logger.info("draft model: %d layers, %d KV blocks, cost %.2f of a target step", draft_config.num_layers,
-                    num_blocks, cost)
+        max_len = min(self.max_model_len, draft_config.max_position_embeddings, num_blocks * layout.block_size)
+        logger.info("draft model: %d layers, %d KV blocks, a step costs %.2f target steps",
+                    draft_config.num_layers, num_blocks, cost)
         return DraftModelProposer(runner, num_blocks, max_len, cost)
 
     def _check_weight_dtype(self, weight_dtype: str) -> bool:

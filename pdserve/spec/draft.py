@@ -29,7 +29,9 @@ from pdserve.spec.proposer import DraftRequest
 _GREEDY = SamplingParams(temperature=0)  # the runner's batch rows need params; the draft takes the argmax
 
 
-def check_same_vocab(target: ModelConfig, draft: ModelConfig, target_tok: object | None, draft_tok: object | None) -> None:
+def check_same_vocab(
+    target: ModelConfig, draft: ModelConfig, target_tok: object | None, draft_tok: object | None
+) -> None:
     """Refuse a draft whose token ids mean something else than the target's (e.g. SmolLM2 for Qwen):
     its guesses would be noise at best, out-of-range ids at worst."""
     if target.vocab_size != draft.vocab_size:
@@ -93,13 +95,14 @@ class DraftModelProposer:
             rows.append(i)
             lens.append(L)
             ks.append(k)
-            first.append(BatchRequest(r.req_id, list(r.token_ids[valid:]), valid, st.blocks, True, 0, _GREEDY))
+            catch_up = list(r.token_ids[valid:])
+            first.append(BatchRequest(r.req_id, catch_up, valid, st.blocks, True, 0, _GREEDY))
         if not rows:
             return out
         drafts = [[t] for t in self._greedy(first)]
         for j in range(1, max(ks)):
             live = [n for n, k in enumerate(ks) if k > j]
-            step = [
+            step = [  # draft j at position L + j - 1
                 BatchRequest(first[n].req_id, [drafts[n][-1]], lens[n] + j - 1, first[n].block_ids, True, 0, _GREEDY)
                 for n in live
             ]
