@@ -131,3 +131,23 @@ def test_sampled_tokens_keep_their_distribution_with_draft_speculation(make_tiny
         a, b = Counter(t[pos] for t in plain), Counter(t[pos] for t in spec)
         tv = 0.5 * sum(abs(a[k] - b[k]) for k in a.keys() | b.keys()) / n
         assert tv < 0.07, (pos, tv, a.most_common(4), b.most_common(4))
+
+
+def test_rolled_back_draft_cache_proposes_as_a_fresh_one(make_draft_llm, prompts) -> None:  # type: ignore[no-untyped-def]
+    """After the target keeps m of the k drafts and adds its own token, the draft's cache (valid prefix
+    plus catch-up) must propose what a draft that computes the whole sequence from scratch proposes; also
+    when steps without proposals (compute-bound ones) grew the sequence further in between."""
+    from pdserve.spec import DraftRequest
+
+    p = proposer(make_draft_llm())
+    seq = list(prompts[0])
+    for step, kept in enumerate([0, 2, 3, 1, 3, 0, 2]):
+        drafts = p.propose([DraftRequest("a", seq, 4)])[0]
+        fresh = p.propose([DraftRequest(f"fresh{step}", seq, 4)])[0]
+        p.release(f"fresh{step}")
+        assert drafts == fresh and len(drafts) == 4, step
+        seq += drafts[:kept] + [(drafts[kept] + 1 + step) % TINY.vocab_size or 1]  # the target's own token
+        if step % 2:
+            seq += [7 + step, 9, 11]  # tokens decoded while nothing was proposed
+    p.release("a")
+    assert p.num_free_blocks == p.num_blocks
