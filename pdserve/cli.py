@@ -64,7 +64,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--speculative-config", default=None, metavar="JSON",
         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\'',
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' or \'{"method": "draft", '
+        '"model": "qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 4}\'',
     )
     g.add_argument("--no-fused-ops", action="store_true",
                    help="bf16 on CPU: keep the layer's elementwise steps as plain torch ops")

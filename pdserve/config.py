@@ -204,7 +204,7 @@ class KVTransferConfig:
             raise ValueError(f"unknown KV transfer backend {self.backend!r}; choose from {sorted(KV_TRANSFER_BACKENDS)}")
 
 
-SPEC_METHODS = ("ngram",)  # "draft" (a smaller model of the same tokenizer) comes next
+SPEC_METHODS = ("ngram", "draft")  # draft: a smaller model of the same tokenizer (spec/draft.py)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -215,13 +215,16 @@ class SpeculativeConfig:
     matched against the request's earlier tokens, the tokens that followed proposed as drafts.
     Each request's speculation length adapts (0..num_speculative_tokens) to its measured acceptance;
     steps of more than `disable_by_batch_size` requests or `disable_by_num_tokens` tokens propose none (verification is no longer nearly
-    free once the step is compute-bound)."""
+    free once the step is compute-bound).
+
+    `draft`: the model `model` (a registered name or a path; same tokenizer as the target) proposes
+    greedily from its own KV cache of `draft_kv_cache_memory_gb`, on the target's device and dtype."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
-    model: str | None = None  # the draft model ("draft" method; not implemented yet)
+    model: str | None = None  # the draft model ("draft" method)
     disable_by_batch_size: int = 32
     disable_by_num_tokens: int = 512  # ... or steps of more tokens (prompt chunks, decodes and drafts)
     # Adaptivity: a request's acceptance rate a (EMA over its verified drafts, weight `acceptance_ema`)
@@ -230,13 +233,21 @@ class SpeculativeConfig:
     acceptance_ema: float = 0.3
     min_draft_acceptance: float = 0.25
     adaptive: bool = True
+    # The draft model ("draft" method): its KV cache's memory, and a draft step's time as a fraction of a
+    # target step's (None: the ratio of the models' weight bytes, decode being memory-bound); the length
+    # rule then wants a**k >= max(min_draft_acceptance, draft_cost) (docs/speculative.md).
+    draft_kv_cache_memory_gb: float = 0.25
+    draft_cost: float | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
-            raise ValueError(
-                f"unknown speculative method {self.method!r}; choose from {list(SPEC_METHODS)}"
-                + (" (the draft-model proposer is not implemented yet)" if self.method == "draft" else "")
-            )
+            raise ValueError(f"unknown speculative method {self.method!r}; choose from {list(SPEC_METHODS)}")
+        if self.method == "draft" and not self.model:
+            raise ValueError('speculative method "draft" needs "model": the draft model\'s name or path')
+        if not self.draft_kv_cache_memory_gb > 0:
+            raise ValueError("draft_kv_cache_memory_gb must be > 0")
+        if self.draft_cost is not None and not 0.0 <= self.draft_cost < 1.0:
+            raise ValueError("draft_cost must be in [0, 1): a draft step is cheaper than a target step")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be an integer >= 1")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

@@ -18,7 +18,7 @@ from typing import TextIO
 
 from pdserve.bench.client import fetch_model_name
 from pdserve.bench.datasets import DecodingTokenizer
-from pdserve.bench.metrics import SLO, BenchMetrics
+from pdserve.bench.metrics import SLO
 from pdserve.bench.presets import Preset
 from pdserve.bench.serve_bench import (
     BenchResult,

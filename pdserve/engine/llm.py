@@ -48,11 +48,14 @@ class LLM:
         model_config: ModelConfig | None = None,
         weights: dict | None = None,
         tokenizer: object | None = None,
+        draft_model_config: ModelConfig | None = None,
+        draft_weights: dict | None = None,
     ) -> None:
         """`model` is a .gguf file or a Hugging Face directory (None: the bundled SmolLM2-135M-Instruct).
         `model_config` + `weights` (+ `tokenizer`) build an engine from in-memory weights instead (tests).
         `kv_cache_dtype`: how K/V are stored ("auto" = the model's dtype; "int8", "fp8_e4m3" quantized).
-        `speculative_config`: speculative decoding in vLLM's convention (see `SpeculativeConfig`).
+        `speculative_config`: speculative decoding in vLLM's convention (see `SpeculativeConfig`);
+        `draft_model_config` + `draft_weights`: its "draft" method's model from memory (tests).
         `weight_dtype="int8"`: the projections and output head quantized per output channel (CPU, bf16
         activations; docs/architecture.md, "8-bit weights")."""
         if isinstance(speculative_config, dict):
@@ -87,7 +90,8 @@ class LLM:
                 preemption_mode=preemption_mode,
             ),
         )
-        self.engine = LLMEngine(config, model_config=model_config, weights=weights, tokenizer=tokenizer)
+        self.engine = LLMEngine(config, model_config=model_config, weights=weights, tokenizer=tokenizer,
+                                draft_model_config=draft_model_config, draft_weights=draft_weights)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:

@@ -11,7 +11,7 @@ import time
 import torch
 
 from pdserve.attention.base import AttentionBackend, get_attention_backend
-from pdserve.config import EngineConfig, ModelConfig
+from pdserve.config import EngineConfig, ModelConfig, SpeculativeConfig
 from pdserve.transfer.connector import KVConnector
 from pdserve.engine.loop import EngineLoop, StepRecord
 from pdserve.kv.block_manager import BlockManager, HostBlockPool
@@ -20,6 +20,7 @@ from pdserve.model.llama import LlamaModel
 from pdserve.runner.model_runner import ModelRunner
 from pdserve.scheduler import Scheduler, make_policy
 from pdserve.spec import SpecDecodeStats, SpeculativeExecutor
+from pdserve.spec.draft import DraftModelProposer, check_same_vocab
 from pdserve.transfer.base import KVTransport
 from pdserve.transfer.registry import transport_class
 
@@ -58,6 +59,10 @@ def make_attention(name: str, dtype: torch.dtype, device: torch.device, kv_dtype
     return attn
 
 
+def _num_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
 def _pick_attention(name: str, dtype: torch.dtype, device: torch.device) -> AttentionBackend:
     if name != "auto":
         return get_attention_backend(name)
@@ -80,10 +85,14 @@ class LLMEngine(EngineLoop):
         weights: dict[str, torch.Tensor] | None = None,
         tokenizer: object | None = None,
         kv_transport: KVTransport | None = None,
+        draft_model_config: ModelConfig | None = None,
+        draft_weights: dict[str, torch.Tensor] | None = None,
     ) -> None:
         """Load the model named by `config.model`, or use `model_config` + `weights` (tests) with an
         optional tokenizer (without one, prompts must be token ids and outputs carry no text).
-        `kv_transport`: a ready transport (inproc tests); otherwise `config.kv_transfer.backend` makes one."""
+        `kv_transport`: a ready transport (inproc tests); otherwise `config.kv_transfer.backend` makes one.
+        `draft_model_config` + `draft_weights`: the "draft" method's model in memory (tests), instead of
+        loading `config.speculative.model`."""
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -161,7 +170,11 @@ class LLMEngine(EngineLoop):
         self.spec_executor: SpeculativeExecutor | None = None
         if config.speculative is not None:
             # The runner verifies the drafts a step carries; the wrapper proposes the next ones.
-            self.spec_executor = SpeculativeExecutor(self.executor, config.speculative)
+            proposer, cost = None, 0.0
+            if config.speculative.method == "draft":
+                proposer = self._make_draft_proposer(config.speculative, draft_model_config, draft_weights)
+                cost = proposer.cost
+            self.spec_executor = SpeculativeExecutor(self.executor, config.speculative, proposer, cost)
             self.executor = self.spec_executor
         logger.info(
             "engine ready in %.1fs: %s, %s on %s, KV cache %s: %d blocks x %d tokens (%d bytes, %.2f GiB), "
@@ -170,6 +183,46 @@ class LLMEngine(EngineLoop):
             num_blocks, cc.block_size, self.kv_cache.nbytes, self.kv_cache.nbytes / (1 << 30), num_host_blocks,
             sc.policy, sc.preemption_mode, attn.name,
         )
+
+    def _make_draft_proposer(
+        self,
+        spec: SpeculativeConfig,
+        draft_config: ModelConfig | None,
+        weights: dict[str, torch.Tensor] | None,
+    ) -> DraftModelProposer:
+        """The draft model on the target's device and dtype (bf16 CPU kernels as the target's), over its
+        own KV cache of `spec.draft_kv_cache_memory_gb` in the model's dtype."""
+        tokenizer = None
+        if weights is None:
+            from pdserve.model.loader import load_weights, resolve_model_path
+            from pdserve.model.tokenizer import load_tokenizer
+
+            path = resolve_model_path(spec.model)
+            draft_config, weights = load_weights(path, torch.float32)
+            tokenizer = load_tokenizer(path)
+        assert draft_config is not None, "draft weights need their model_config"
+        check_same_vocab(self.model_config, draft_config, self.tokenizer, tokenizer)
+        model = LlamaModel(draft_config)
+        model.load_hf_weights(weights)
+        del weights
+        model = model.to(device=self.device, dtype=self.dtype).eval()
+        model.inv_freq = model.inv_freq.float()
+        cfg = self.config
+        model.prepack_for_cpu(cfg.linear_kernel, cfg.batch_invariant, cfg.autotune_dir)
+        if cfg.fused_cpu_ops:
+            model.use_fused_cpu_ops()
+        layout = KVLayout.for_model(draft_config, cfg.cache.block_size, "auto", self.dtype)
+        num_blocks = max(1, int(spec.draft_kv_cache_memory_gb * (1 << 30)) // layout.block_bytes)
+        kv_cache = KVCache(layout, num_blocks, self.device)
+        attn = self._make_attention(cfg.attention_backend, layout.kv_dtype)
+        runner = ModelRunner(model, kv_cache, attn, self.device, cfg.seed)
+        cost = spec.draft_cost
+        if cost is None:  # decode is memory-bound: a step's time goes with the weight bytes it streams
+            cost = min(0.99, _num_params(model) / max(1, _num_params(self.model)))
+        max_len = min(self.max_model_len, draft_config.max_position_embeddings, num_blocks * layout.block_size)
+        logger.info("draft model: %d layers, %d KV blocks, a step costs %.2f target steps",
+                    draft_config.num_layers, num_blocks, cost)
+        return DraftModelProposer(runner, num_blocks, max_len, cost)
 
     def _check_weight_dtype(self, weight_dtype: str) -> bool:
         """Whether the projections run from int8 weights; a clear error where they cannot."""

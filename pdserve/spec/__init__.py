@@ -3,7 +3,8 @@ step (`pdserve.runner.sampler.Sampler.verify`), and the scheduler keeps what was
 
 `SpeculativeExecutor` wraps any `Executor`: after each step it records how many drafts were accepted,
 picks each request's next speculation length (`SpecLengthController`) and asks a `Proposer` for that many
-drafts, which travel to the scheduler in `ModelOutput.spec_token_ids`. Torch-free.
+drafts, which travel to the scheduler in `ModelOutput.spec_token_ids`. Torch-free, except
+`pdserve.spec.draft` (the draft-model proposer, which runs a model; imported where it is built).
 """
 
 from pdserve.spec.executor import SpeculativeExecutor, make_proposer

@@ -26,7 +26,10 @@ class SpeculativeExecutor:
     """`inner` verifies; this wrapper proposes. The scheduler still caps each request's drafts (none past
     max_tokens or the context length) and fits them into the step's token budget."""
 
-    def __init__(self, inner: Executor, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
+    def __init__(
+        self, inner: Executor, config: SpeculativeConfig, proposer: Proposer | None = None, draft_cost: float = 0.0
+    ) -> None:
+        """`draft_cost`: one proposal step's time in target steps (a draft model's; see SpecLengthController)."""
         self.inner = inner
         self.config = config
         self.proposer = proposer if proposer is not None else make_proposer(config)
@@ -35,6 +38,7 @@ class SpeculativeExecutor:
             ema=config.acceptance_ema,
             min_acceptance=config.min_draft_acceptance,
             adaptive=config.adaptive,
+            draft_cost=draft_cost,
         )
         self.stats = SpecDecodeStats()
 

@@ -11,10 +11,24 @@ class SpecLengthController:
     were. A step with k drafts accepting m of them saw m acceptances and, when m < k, one rejection; `a`
     is EMA(accepted) / (EMA(accepted) + EMA(rejections)), the geometric model's estimate. The k-th
     draft of a step is accepted with probability about a**k, so a request gets the largest k (at most
-    `max_tokens`) with a**k >= min_acceptance, and at least 1 so its estimate can recover."""
+    `max_tokens`) with a**k >= threshold, and at least 1 so its estimate can recover.
 
-    def __init__(self, max_tokens: int, *, ema: float = 0.3, min_acceptance: float = 0.25, adaptive: bool = True) -> None:
+    threshold = max(min_acceptance, draft_cost): `draft_cost` is a draft step's time in target steps
+    (0 for n-gram lookups; a draft model's own forward otherwise). The k-th draft yields a**k expected
+    tokens for that cost, and plain decoding yields one token per target step, so a draft below
+    a**k = draft_cost slows the request down even when verification is free."""
+
+    def __init__(
+        self,
+        max_tokens: int,
+        *,
+        ema: float = 0.3,
+        min_acceptance: float = 0.25,
+        adaptive: bool = True,
+        draft_cost: float = 0.0,
+    ) -> None:
         self.max_tokens = max_tokens
+        self.threshold = max(min_acceptance, draft_cost)
         self.ema = ema
         self.min_acceptance = min_acceptance
         self.adaptive = adaptive
@@ -40,7 +54,7 @@ class SpecLengthController:
             return self.max_tokens
         if a <= 0.0:
             return 1
-        k = math.floor(math.log(self.min_acceptance) / math.log(a))
+        k = math.floor(math.log(self.threshold) / math.log(a))
         return max(1, min(self.max_tokens, k))
 
     def release(self, req_id: str) -> None:

@@ -26,3 +26,13 @@ def random_prompts(n: int, lo: int, hi: int, seed: int = 0, vocab: int = TINY.vo
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
     return [torch.randint(1, vocab, (L,), generator=g).tolist() for L in lens]
+
+
+def first_layers(cfg: ModelConfig, weights: dict[str, torch.Tensor], n: int) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """A draft model made of the target's first `n` layers (same embedding, final norm and head): it
+    shares the vocabulary and agrees with the target often but not always (drafts get rejected)."""
+    from dataclasses import replace
+
+    keep = {f"model.layers.{i}." for i in range(n)}
+    w = {k: v for k, v in weights.items() if not k.startswith("model.layers.") or any(k.startswith(p) for p in keep)}
+    return replace(cfg, num_layers=n), w

@@ -64,6 +64,18 @@ def test_length_follows_measured_acceptance() -> None:
     assert c.length("good") == 4 and SpecLengthController(3, adaptive=False).length("x") == 3
 
 
+def test_length_rule_counts_the_draft_models_cost() -> None:
+    """The k-th draft is worth its draft step when a**k >= max(min_acceptance, draft_cost): a costly
+    draft speculates less deeply at the same acceptance; a free one (n-gram) keeps the plain rule."""
+    free = SpecLengthController(8, ema=1.0, min_acceptance=0.25)
+    costly = SpecLengthController(8, ema=1.0, min_acceptance=0.25, draft_cost=0.5)
+    for c in (free, costly):
+        c.observe("r", 4, 3)  # acceptance a = 3 / (3 + 1) = 0.75
+    assert free.length("r") == 4  # 0.75**4 = 0.32 >= 0.25 > 0.75**5
+    assert costly.length("r") == 2  # 0.75**2 = 0.56 >= 0.5 > 0.75**3
+    assert SpecLengthController(8, min_acceptance=0.25, draft_cost=0.1).threshold == 0.25
+
+
 def test_stats_count_drafts_and_accepted_positions() -> None:
     s = SpecDecodeStats()
     s.observe(3, 2)
@@ -81,8 +93,14 @@ def test_config_parses_vllm_style_json_and_rejects_bad_values() -> None:
     assert (c.method, c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 3, 1, 4)
     with pytest.raises(ValueError, match="unknown speculative method 'eagle'"):
         SpeculativeConfig(method="eagle")
-    with pytest.raises(ValueError, match="not implemented yet"):
-        SpeculativeConfig.from_dict({"method": "draft", "model": "x"})
+    d = SpeculativeConfig.from_dict({"method": "draft", "model": "x", "draft_kv_cache_memory_gb": 0.5})
+    assert (d.method, d.model, d.draft_kv_cache_memory_gb, d.draft_cost) == ("draft", "x", 0.5, None)
+    with pytest.raises(ValueError, match='needs "model"'):
+        SpeculativeConfig(method="draft")
+    with pytest.raises(ValueError, match="draft_kv_cache_memory_gb"):
+        SpeculativeConfig(method="draft", model="x", draft_kv_cache_memory_gb=0)
+    with pytest.raises(ValueError, match="draft_cost"):
+        SpeculativeConfig(method="draft", model="x", draft_cost=1.5)
     with pytest.raises(ValueError, match="unknown speculative config keys"):
         SpeculativeConfig.from_dict({"method": "ngram", "lookahead": 2})
     with pytest.raises(ValueError, match="not valid JSON"):
