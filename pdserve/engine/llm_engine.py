@@ -113,20 +113,7 @@ class LLMEngine(EngineLoop):
         self.model_config: ModelConfig = model_config
         self.tokenizer = tokenizer
         int8 = self._check_weight_dtype(config.weight_dtype)
-        model = LlamaModel(model_config)
-        model.load_hf_weights(weights)
-        if int8:
-            model.quantize_linears()  # from the float32 weights, before the cast; frees the float copies
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
-        self.model.inv_freq = self.model.inv_freq.float()
-        if self.model.prepack_for_cpu(config.linear_kernel, config.batch_invariant, config.autotune_dir):
-            logger.info("%s", self.model.linear_plan.describe())
-            wb = self.model.weight_bytes()
-            logger.info("weights resident: %.1f MB (projections and head %.1f MB as packed, the rest %.1f MB)",
-                        wb["total"] / 1e6, wb["linears"] / 1e6, wb["other"] / 1e6)
-        if config.fused_cpu_ops:
-            self.model.use_fused_cpu_ops(measure=True, batch_invariant=config.batch_invariant,
-                                         cache_dir=config.autotune_dir)
+        self.model = self._build_model(model_config, weights, int8)
         del weights
 
         sc = config.scheduler
@@ -202,15 +189,9 @@ class LLMEngine(EngineLoop):
             tokenizer = load_tokenizer(path)
         assert draft_config is not None, "draft weights need their model_config"
         check_same_vocab(self.model_config, draft_config, self.tokenizer, tokenizer)
-        model = LlamaModel(draft_config)
-        model.load_hf_weights(weights)
+        model = self._build_model(draft_config, weights, int8=False)
         del weights
-        model = model.to(device=self.device, dtype=self.dtype).eval()
-        model.inv_freq = model.inv_freq.float()
         cfg = self.config
-        model.prepack_for_cpu(cfg.linear_kernel, cfg.batch_invariant, cfg.autotune_dir)
-        if cfg.fused_cpu_ops:
-            model.use_fused_cpu_ops()
         layout = KVLayout.for_model(draft_config, cfg.cache.block_size, "auto", self.dtype)
         num_blocks = max(1, int(spec.draft_kv_cache_memory_gb * (1 << 30)) // layout.block_bytes)
         kv_cache = KVCache(layout, num_blocks, self.device)
@@ -223,6 +204,26 @@ class LLMEngine(EngineLoop):
         logger.info("draft model: %d layers, %d KV blocks, a step costs %.2f target steps",
                     draft_config.num_layers, num_blocks, cost)
         return DraftModelProposer(runner, num_blocks, max_len, cost)
+
+    def _build_model(self, model_config: ModelConfig, weights: dict[str, torch.Tensor], int8: bool) -> LlamaModel:
+        """The model on this engine's device and dtype, with the CPU kernels chosen (the target and the
+        draft model alike): int8 projections when asked, packed linears, fused or plain elementwise ops."""
+        config = self.config
+        model = LlamaModel(model_config)
+        model.load_hf_weights(weights)
+        if int8:
+            model.quantize_linears()  # from the float32 weights, before the cast; frees the float copies
+        model = model.to(device=self.device, dtype=self.dtype).eval()
+        model.inv_freq = model.inv_freq.float()
+        if model.prepack_for_cpu(config.linear_kernel, config.batch_invariant, config.autotune_dir):
+            logger.info("%s", model.linear_plan.describe())
+            wb = model.weight_bytes()
+            logger.info("weights resident: %.1f MB (projections and head %.1f MB as packed, the rest %.1f MB)",
+                        wb["total"] / 1e6, wb["linears"] / 1e6, wb["other"] / 1e6)
+        if config.fused_cpu_ops:
+            model.use_fused_cpu_ops(measure=True, batch_invariant=config.batch_invariant,
+                                    cache_dir=config.autotune_dir)
+        return model
 
     def _check_weight_dtype(self, weight_dtype: str) -> bool:
         """Whether the projections run from int8 weights; a clear error where they cannot."""
