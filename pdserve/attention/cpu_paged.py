@@ -64,16 +64,15 @@ _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode.cpp")
 
 def load_kernel():  # type: ignore[no-untyped-def]
     """Build (or load the cached build of) the extension; raises if no compiler can build it."""
-    from torch.utils.cpp_extension import load
+    from pdserve.extensions import load_extension
 
-    return load(
-        name="pdserve_paged_decode",
-        sources=[_SOURCE],
+    return load_extension(
+        "pdserve_paged_decode",
+        [_SOURCE],
         # -fopenmp: at::parallel_for is OpenMP pragmas in ATen's headers; without it the kernel ran on
         # one core. The extension then resolves libgomp.so.1 to the copy torch has already loaded.
         extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
-        verbose=False,
     )
 
 

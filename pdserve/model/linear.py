@@ -61,14 +61,13 @@ ROW_INDEPENDENT = ("pdserve",)  # kernels whose rows do not depend on the batch 
 
 
 def _build(name: str, source: str) -> Any:
-    from torch.utils.cpp_extension import load
+    from pdserve.extensions import load_extension
 
-    ext = load(
-        name=name,
-        sources=[source],
+    ext = load_extension(
+        name,
+        [source],
         extra_cflags=["-O3", "-march=native", "-fopenmp"],  # -fopenmp: at::parallel_for (see cpu_paged.py)
         extra_ldflags=["-fopenmp"],
-        verbose=False,
     )
     if not ext.available():
         raise RuntimeError("this CPU/compiler has no AVX-512 BF16")

@@ -77,16 +77,15 @@ class FusedCpuOps:
     name = "fused-cpu"
 
     def __init__(self) -> None:
-        from torch.utils.cpp_extension import load
+        from pdserve.extensions import load_extension
 
-        self._ext = load(
-            name="pdserve_fused_ops",
-            sources=[_SOURCE],
+        self._ext = load_extension(
+            "pdserve_fused_ops",
+            [_SOURCE],
             # No -ffast-math, no FMA contraction: the kernels reproduce torch's roundings step by step.
             # -fopenmp: at::parallel_for is OpenMP pragmas in ATen's headers; without it, it runs serially.
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
             extra_ldflags=["-fopenmp"],
-            verbose=False,
         )
         self._has_silu_mul = bool(self._ext.has_silu_mul())
         if not self._has_silu_mul:
