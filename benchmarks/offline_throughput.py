@@ -51,6 +51,9 @@ def run_pdserve(llm: LLM, reqs: list[SampleRequest]) -> dict:
         "time_in_steps_with_prefill_s": prefill_time,
         "time_in_decode_only_steps_s": sum(s.duration for s in steps) - prefill_time,
         "preemptions": eng.scheduler.num_preemptions,
+        # one row per step: seconds, forward seconds, prompt tokens, decode tokens, sequences, context tokens
+        "steps": [[round(s.duration, 5), round(s.forward_time, 5), s.num_prefill_tokens, s.num_decode_tokens,
+                   s.num_seqs, s.num_context_tokens] for s in steps],
     }
 
 
@@ -142,6 +145,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-cache-memory-gb", type=float, default=3.0)
+    ap.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: the engine's)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto | bfloat16 | int8 | fp8_e4m3")
     ap.add_argument("--phase-batches", default="1,8,32,64")
     ap.add_argument("--phase-prompt-len", type=int, default=256)
@@ -151,6 +155,7 @@ def main() -> None:
     ap.add_argument("--batch-invariant", action="store_true", help="one row-independent kernel for all row counts")
     ap.add_argument("--kernel-cache-dir", default=None, help="measured kernel choices (default ~/.cache/pdserve; '' none)")
     ap.add_argument("--weight-dtype", default="auto", help="auto | bfloat16 | int8 (8-bit projections and head)")
+    ap.add_argument("--speculative-config", default=None, help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     ap.add_argument("--out", default="results/offline_throughput.json")
     args = ap.parse_args()
 
@@ -158,7 +163,9 @@ def main() -> None:
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=args.kv_cache_memory_gb,
               kv_cache_dtype=args.kv_cache_dtype, fused_cpu_ops=not args.no_fused_ops, linear_kernel=args.linear_kernel,
               batch_invariant=args.batch_invariant, kernel_cache_dir=args.kernel_cache_dir,
-              weight_dtype=args.weight_dtype)
+              weight_dtype=args.weight_dtype,
+              **({"block_size": args.block_size} if args.block_size else {}),
+              speculative_config=json.loads(args.speculative_config) if args.speculative_config else None)
     plan = llm.engine.model.linear_plan
     print(plan.describe() if plan is not None else "bf16 linear kernels: none packed (plain F.linear)")
     tok = llm.engine.tokenizer

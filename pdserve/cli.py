@@ -53,7 +53,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     arg(g, "--preemption-mode", SchedulerConfig, "preemption_mode", choices=PREEMPTION_MODES,
         help="when KV blocks run out: recompute the preempted request later, or swap its KV to host memory")
     arg(g, "--swap-space", CacheConfig, "swap_space_gb", help="swap: host-memory tier for KV, in GiB")
-    arg(g, "--block-size", CacheConfig, "block_size")
+    arg(g, "--block-size", CacheConfig, "block_size", type=int, help="tokens per KV block (default: 128 on a CPU, 16 on a GPU)")
     arg(g, "--kv-cache-memory-gb", CacheConfig, "kv_cache_memory_gb")
     arg(g, "--kv-cache-dtype", CacheConfig, "kv_cache_dtype", choices=KV_CACHE_DTYPES,
         help="how K/V are stored: auto (the model's dtype), or quantized with a scale per token and kv head")

@@ -89,9 +89,18 @@ class ModelConfig:
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8_e4m3")
 
 
+def default_block_size(device_type: str) -> int:
+    """Tokens per KV block when none is asked for: 128 on a CPU, 16 elsewhere. A CPU's decode attention
+    reads every sequence's blocks scattered over gigabytes of cache; a 16-token block of one kv head is
+    2 KiB (head_dim 64, bf16), too short for the hardware prefetchers, and 128-token blocks (16 KiB) ran
+    the 200-request ShareGPT benchmark 6.5% faster (README, "Performance"). vLLM's CPU backend defaults
+    to 128 too; GPUs keep vLLM's 16 (finer prefix sharing, less padding)."""
+    return 128 if device_type == "cpu" else 16
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CacheConfig:
-    block_size: int = 16
+    block_size: int | None = None  # None: default_block_size(the engine's device)
     num_blocks: int | None = None  # None: derived from kv_cache_memory_gb
     kv_cache_memory_gb: float = 2.0
     enable_prefix_caching: bool = True
@@ -102,7 +111,7 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
+        if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")

@@ -31,7 +31,7 @@ class LLM:
         chunk_size: int | None = None,
         preemption_mode: str = _default(SchedulerConfig, "preemption_mode"),
         swap_space_gb: float = _default(CacheConfig, "swap_space_gb"),
-        block_size: int = _default(CacheConfig, "block_size"),
+        block_size: int | None = _default(CacheConfig, "block_size"),
         kv_cache_memory_gb: float = _default(CacheConfig, "kv_cache_memory_gb"),
         kv_cache_dtype: str = _default(CacheConfig, "kv_cache_dtype"),
         num_blocks: int | None = None,

@@ -11,7 +11,7 @@ import time
 import torch
 
 from pdserve.attention.base import AttentionBackend, get_attention_backend
-from pdserve.config import EngineConfig, ModelConfig, SpeculativeConfig
+from pdserve.config import EngineConfig, ModelConfig, SpeculativeConfig, default_block_size
 from pdserve.transfer.connector import KVConnector
 from pdserve.engine.loop import EngineLoop, StepRecord
 from pdserve.kv.block_manager import BlockManager, HostBlockPool
@@ -121,18 +121,19 @@ class LLMEngine(EngineLoop):
         cc = config.cache
         # kv/cache.py owns the layout; a quantized dtype's blocks are smaller (scales included), so the
         # same memory holds more of them.
-        self.kv_layout = KVLayout.for_model(model_config, cc.block_size, cc.kv_cache_dtype, self.dtype)
+        self.block_size = cc.block_size or default_block_size(self.device.type)
+        self.kv_layout = KVLayout.for_model(model_config, self.block_size, cc.kv_cache_dtype, self.dtype)
         block_bytes = self.kv_layout.block_bytes
         num_blocks = cc.num_blocks or max(1, int(cc.kv_cache_memory_gb * (1 << 30)) // block_bytes)
         # A sequence can never outgrow the whole KV cache (it would preempt itself forever): cap it there.
-        self.max_model_len = min(self.max_model_len, num_blocks * cc.block_size)
+        self.max_model_len = min(self.max_model_len, num_blocks * self.block_size)
         num_host_blocks = 0
         if sc.preemption_mode == "swap":
             num_host_blocks = int(cc.swap_space_gb * (1 << 30)) // block_bytes
             if num_host_blocks < 1:
                 raise ValueError('preemption_mode "swap" needs swap_space_gb large enough for one KV block')
         self.kv_cache = KVCache(self.kv_layout, num_blocks, self.device, num_host_blocks)
-        block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        block_manager = BlockManager(num_blocks, self.block_size, cc.enable_prefix_caching)
         host_pool = HostBlockPool(num_host_blocks) if num_host_blocks else None
         scheduler = Scheduler(sc, block_manager, make_policy(sc.policy, sc), host_pool)
         attn = self._make_attention(config.attention_backend, self.kv_layout.kv_dtype)
@@ -167,7 +168,7 @@ class LLMEngine(EngineLoop):
             "engine ready in %.1fs: %s, %s on %s, KV cache %s: %d blocks x %d tokens (%d bytes, %.2f GiB), "
             "%d host blocks, policy %s, preemption %s, attention %s",
             time.perf_counter() - t0, self.model_name, self.dtype, self.device, self.kv_layout.kv_dtype,
-            num_blocks, cc.block_size, self.kv_cache.nbytes, self.kv_cache.nbytes / (1 << 30), num_host_blocks,
+            num_blocks, self.block_size, self.kv_cache.nbytes, self.kv_cache.nbytes / (1 << 30), num_host_blocks,
             sc.policy, sc.preemption_mode, attn.name,
         )
 
@@ -192,7 +193,7 @@ class LLMEngine(EngineLoop):
         model = self._build_model(draft_config, weights, int8=False)
         del weights
         cfg = self.config
-        layout = KVLayout.for_model(draft_config, cfg.cache.block_size, "auto", self.dtype)
+        layout = KVLayout.for_model(draft_config, self.block_size, "auto", self.dtype)
         num_blocks = max(1, int(spec.draft_kv_cache_memory_gb * (1 << 30)) // layout.block_bytes)
         kv_cache = KVCache(layout, num_blocks, self.device)
         attn = self._make_attention(cfg.attention_backend, layout.kv_dtype)

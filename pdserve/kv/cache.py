@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.memory import zeros_huge_pages
 from pdserve.config import ModelConfig
 from pdserve.kv.quant import QUANT_DTYPES, dequantize, quantize
 
@@ -179,10 +180,10 @@ class KVCache:
         self.device = device
         lay = layout
         shape = (lay.num_layers, 2, lay.num_kv_heads, num_blocks, lay.block_size, lay.head_dim)
-        self.data = torch.zeros(shape, dtype=lay.dtype, device=device)
+        self.data = zeros_huge_pages(shape, lay.dtype, device)
         self.scales: torch.Tensor | None = None
         if lay.quantized:
-            self.scales = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
+            self.scales = zeros_huge_pages(shape[:-1], torch.float32, device)
         scales = self.scales
         self.layers: list[LayerCache] = [
             LayerCache(self.data[i, 0], self.data[i, 1], *((scales[i, 0], scales[i, 1]) if scales is not None else ()))
