@@ -268,7 +268,8 @@ class SpeculativeConfig:
         if any(v is not None and v < 1 for v in (self.disable_by_batch_size, self.disable_by_num_tokens)):
             raise ValueError("disable_by_batch_size and disable_by_num_tokens must be >= 1")
         if self.length_rule not in SPEC_LENGTH_RULES:
-            raise ValueError(f"unknown length_rule {self.length_rule!r}; choose from {list(SPEC_LENGTH_RULES)}")
+            rules = list(SPEC_LENGTH_RULES)
+            raise ValueError(f"unknown length_rule {self.length_rule!r}; choose from {rules}")
         if self.slo_tpot_ms is not None and not self.slo_tpot_ms > 0:
             raise ValueError("slo_tpot_ms must be > 0")
         if not (0.0 < self.acceptance_ema <= 1.0 and 0.0 < self.min_draft_acceptance < 1.0):

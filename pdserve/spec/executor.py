@@ -86,7 +86,7 @@ class SpeculativeExecutor:
         lengths = [self._length(s.req) for s in sampling]
         if self.step_model is not None and sampling:
             lengths = self._slack_lengths(out, sampling, result.token_ids, lengths)
-        self.stats.observe_lengths(lengths)
+        self.stats.observe_lengths([k for s, k in zip(sampling, lengths) if self._continues(s.req)])
         asks = [
             DraftRequest(s.req.req_id, s.req.all_token_ids() + tokens, k)
             for s, tokens, k in zip(sampling, result.token_ids, lengths)
@@ -111,19 +111,27 @@ class SpeculativeExecutor:
         )
 
     def _length(self, req: Request) -> int:
-        if req.is_finished or req.remote_decode:  # nothing runs after this step here
-            return 0
-        return self.lengths.length(req.req_id)
+        return self.lengths.length(req.req_id) if self._continues(req) else 0
+
+    @staticmethod
+    def _continues(req: Request) -> bool:
+        """Whether `req` runs another step here (not finished, not handed to a decode instance)."""
+        return not (req.is_finished or req.remote_decode)
 
     def _slack_lengths(
-        self, out: SchedulerOutput, sampling: list[ScheduledRequest], sampled: list[list[int]], caps: list[int]
+        self,
+        out: SchedulerOutput,
+        sampling: list[ScheduledRequest],
+        sampled: list[list[int]],
+        caps: list[int],
     ) -> list[int]:
         """The slack rule. The next step is taken to be this one with every sampling request at one
         decode token and every request still in its prompt at another chunk of this step's size; each
-        verified draft adds the model's per-decode-token coefficient. A request's budget is the ITL target and, with a TPOT target, the longest next step
-        after which its TPOT so far (first token to the next one) stays within it."""
+        verified draft adds the model's per-decode-token coefficient. A request's budget is the ITL
+        target and, with a TPOT target, the longest next step after which its TPOT so far (first token
+        to the next one) stays within it."""
         assert self.step_model is not None
-        live = [not (s.req.is_finished or s.req.remote_decode) for s in sampling]
+        live = [self._continues(s.req) for s in sampling]
         num_decodes = sum(live)
         prompt_tokens = sum(s.num_new_tokens for s in out.scheduled if not s.samples)  # chunks to come
         context = sum(s.req.num_computed_tokens + s.num_new_tokens for s in out.scheduled)

@@ -110,10 +110,9 @@ def choose_lengths(
             return [0] * n
         if cost.per_token > 0:
             max_total = min(max_total, math.floor(room / cost.per_token))
-    gains = sorted(
-        ((min(a, 1.0) ** j, i) for i, (cap, a) in enumerate(zip(caps, acceptances)) for j in range(1, cap + 1)),
-        key=lambda g: -g[0],
-    )
+    # (gain of request i's j-th draft, i), best first
+    gains = [(min(a, 1.0) ** j, i) for i, (cap, a) in enumerate(zip(caps, acceptances)) for j in range(1, cap + 1)]
+    gains.sort(key=lambda g: -g[0])
     lengths = [0] * n
     tokens, step_time = float(n), cost.base
     for gain, i in gains[:max_total]:
