@@ -13,7 +13,13 @@ and without n-gram drafts, the speedup, the acceptance rate and the mean accepta
 ShareGPT prompts (each asking its reference reply's length, ignore_eos) all submitted at once, offline,
 with and without n-gram; prints output-token throughput of both and their ratio.
 
-The same engine settings for both modes, on the bundled SmolLM2 unless `--model`; a warm-up before
+`--slo-itl-ms X` / `--slo-tpot-ms Y` (either, with or without `--saturation`): every engine runs the
+`slo` scheduler policy (ITL target X, default the policy's) and n-gram runs twice, with the
+acceptance-only length rule ("accept") and the slack rule ("slack", with the TPOT target Y), so the
+two rules compare side by side (docs/speculative.md, "Speculation length from latency slack"); the
+tables add each mode's mean chosen speculation length.
+
+The same engine settings for every mode, on the bundled SmolLM2 unless `--model`; a warm-up before
 each measured run. `--out` writes the figures as JSON.
 """
 
@@ -22,11 +28,12 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 
 from pdserve import LLM, SamplingParams
 from pdserve.bench.code_edit import sample_code_edit
 from pdserve.bench.datasets import SampleRequest, sample_sharegpt
-from pdserve.config import CodeEditMix
+from pdserve.config import CacheConfig, CodeEditMix, EngineConfig, SchedulerConfig, SpeculativeConfig
 
 
 def run_single_stream(llm: LLM, prompts: list, params: SamplingParams, chat: bool) -> dict[str, float]:
@@ -87,20 +94,26 @@ def single_stream(args: argparse.Namespace, llms: dict[str, LLM]) -> list[dict]:
         for mode, llm in llms.items():
             run_single_stream(llm, prompts[:1], params, chat)  # warm-up (kernels, allocator)
             results[mode] = measure(llm, lambda l: run_single_stream(l, prompts, params, chat))
-        s = results["ngram"]
-        rate, length = acceptance(s)
-        rows.append({
-            "workload": name,
-            "tpot_off_ms": results["off"]["tpot_ms"],
-            "tpot_ngram_ms": s["tpot_ms"],
-            "speedup": results["off"]["tpot_ms"] / s["tpot_ms"] if s["tpot_ms"] else float("nan"),
-            "acceptance_rate": rate,
-            "mean_acceptance_length": length,
-        })
-    print(f"{'workload':<10} {'TPOT off ms':>12} {'TPOT ngram ms':>14} {'speedup':>8} {'accept':>7} {'mean len':>9}")
+        off = results["off"]["tpot_ms"]
+        for mode in spec_modes(llms):
+            s = results[mode]
+            rate, length = acceptance(s)
+            rows.append({
+                "workload": name,
+                "mode": mode,
+                "tpot_off_ms": off,
+                "tpot_spec_ms": s["tpot_ms"],
+                "speedup": off / s["tpot_ms"] if s["tpot_ms"] else float("nan"),
+                "acceptance_rate": rate,
+                "mean_acceptance_length": length,
+                "mean_chosen_length": chosen_length(s),
+            })
+    print(f"{'workload':<10} {'mode':<6} {'TPOT off ms':>12} {'TPOT spec ms':>13} {'speedup':>8} "
+          f"{'accept':>7} {'mean len':>9} {'chosen':>7}")
     for r in rows:
-        print(f"{r['workload']:<10} {r['tpot_off_ms']:>12.2f} {r['tpot_ngram_ms']:>14.2f} {r['speedup']:>7.2f}x "
-              f"{r['acceptance_rate']:>7.2f} {r['mean_acceptance_length']:>9.2f}")
+        print(f"{r['workload']:<10} {r['mode']:<6} {r['tpot_off_ms']:>12.2f} {r['tpot_spec_ms']:>13.2f} "
+              f"{r['speedup']:>7.2f}x {r['acceptance_rate']:>7.2f} {r['mean_acceptance_length']:>9.2f} "
+              f"{r['mean_chosen_length']:>7.2f}")
     return rows
 
 
@@ -111,22 +124,30 @@ def saturation(args: argparse.Namespace, llms: dict[str, LLM]) -> list[dict]:
     for mode, llm in llms.items():
         run_batch(llm, samples[: min(4, len(samples))], 16)  # warm-up
         results[mode] = measure(llm, lambda l: run_batch(l, samples, args.saturation_max_tokens))
-    off, on = results["off"], results["ngram"]
-    rate, length = acceptance(on)
-    row = {
-        "workload": f"sharegpt x{len(samples)} at once",
-        "output_tok_s_off": off["output_tok_s"],
-        "output_tok_s_ngram": on["output_tok_s"],
-        "ratio": on["output_tok_s"] / off["output_tok_s"] if off["output_tok_s"] else float("nan"),
-        "drafts": on["drafts"],
-        "acceptance_rate": rate,
-        "mean_acceptance_length": length,
-    }
-    print(f"{'workload':<26} {'off tok/s':>10} {'ngram tok/s':>12} {'ratio':>6} {'drafts':>7} {'accept':>7} {'mean len':>9}")
-    print(f"{row['workload']:<26} {row['output_tok_s_off']:>10.1f} {row['output_tok_s_ngram']:>12.1f} "
-          f"{row['ratio']:>5.2f}x {row['drafts']:>7} {rate:>7.2f} {length:>9.2f}")
+    off = results["off"]
+    rows = []
+    for mode in spec_modes(llms):
+        on = results[mode]
+        rate, length = acceptance(on)
+        rows.append({
+            "workload": f"sharegpt x{len(samples)} at once",
+            "mode": mode,
+            "output_tok_s_off": off["output_tok_s"],
+            "output_tok_s_spec": on["output_tok_s"],
+            "ratio": on["output_tok_s"] / off["output_tok_s"] if off["output_tok_s"] else float("nan"),
+            "drafts": on["drafts"],
+            "acceptance_rate": rate,
+            "mean_acceptance_length": length,
+            "mean_chosen_length": chosen_length(on),
+        })
+    print(f"{'workload':<26} {'mode':<6} {'off tok/s':>10} {'spec tok/s':>11} {'ratio':>6} {'drafts':>7} "
+          f"{'accept':>7} {'mean len':>9} {'chosen':>7}")
+    for r in rows:
+        print(f"{r['workload']:<26} {r['mode']:<6} {r['output_tok_s_off']:>10.1f} "
+              f"{r['output_tok_s_spec']:>11.1f} {r['ratio']:>5.2f}x {r['drafts']:>7} {r['acceptance_rate']:>7.2f} "
+              f"{r['mean_acceptance_length']:>9.2f} {r['mean_chosen_length']:>7.2f}")
     print("target: ratio >= 0.95 (speculation must not cost throughput at saturation)")
-    return [row]
+    return rows
 
 
 def main() -> None:
@@ -145,28 +166,58 @@ def main() -> None:
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--kv-cache-memory-gb", type=float, default=None,
                     help="default: 0.5 single stream, 4 at saturation")
+    ap.add_argument("--slo-itl-ms", type=float, default=None,
+                    help="run the slo policy with this ITL target; compare the acceptance and slack rules")
+    ap.add_argument("--slo-tpot-ms", type=float, default=None,
+                    help="the slack rule's TPOT target (implies the slo policy, as --slo-itl-ms)")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     args = ap.parse_args()
 
-    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
-            "prompt_lookup_min": 2, "prompt_lookup_max": 5}
-    kv_gb = args.kv_cache_memory_gb or (4.0 if args.saturation else 0.5)
-    common = dict(dtype=args.dtype, num_threads=args.num_threads, kv_cache_memory_gb=kv_gb)
-    llms = {
-        "off": LLM(args.model, **common),
-        "ngram": LLM(args.model, speculative_config=spec, **common),
-    }
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=args.num_speculative_tokens,
+                             prompt_lookup_min=2, prompt_lookup_max=5)
+    if args.slo_itl_ms is None and args.slo_tpot_ms is None:
+        modes = {"off": None, "ngram": spec}
+    else:
+        modes = {
+            "off": None,
+            "accept": replace(spec, length_rule="acceptance"),
+            "slack": replace(spec, length_rule="slack", slo_tpot_ms=args.slo_tpot_ms),
+        }
+    llms = {mode: make_llm(args, s) for mode, s in modes.items()}
     rows = saturation(args, llms) if args.saturation else single_stream(args, llms)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=2)
 
 
+def make_llm(args: argparse.Namespace, spec: SpeculativeConfig | None) -> LLM:
+    """One engine of the comparison: the same settings for every mode, the `slo` policy when a latency
+    target is given (the slack rule reads its step-time model)."""
+    slo = args.slo_itl_ms is not None or args.slo_tpot_ms is not None
+    itl = {} if args.slo_itl_ms is None else {"slo_itl_ms": args.slo_itl_ms}
+    scheduler = SchedulerConfig(policy="slo", **itl) if slo else SchedulerConfig()
+    kv_gb = args.kv_cache_memory_gb or (4.0 if args.saturation else 0.5)
+    return LLM.from_config(EngineConfig(
+        model=args.model, dtype=args.dtype, num_threads=args.num_threads, speculative=spec,
+        cache=CacheConfig(kv_cache_memory_gb=kv_gb), scheduler=scheduler,
+    ))
+
+
+def spec_modes(llms: dict[str, LLM]) -> list[str]:
+    return [m for m in llms if m != "off"]
+
+
+def chosen_length(s: dict[str, float]) -> float:
+    """Mean speculation length the rule chose (0 where it could not speculate)."""
+    return s["chosen"] / s["choices"] if s["choices"] else 0.0
+
+
 def _stats(llm: LLM) -> dict[str, int]:
     s = llm.engine.spec_decode_stats
     if s is None:
-        return {"drafts": 0, "draft_tokens": 0, "accepted": 0}
-    return {"drafts": s.num_drafts, "draft_tokens": s.num_draft_tokens, "accepted": s.num_accepted_tokens}
+        return {"drafts": 0, "draft_tokens": 0, "accepted": 0, "choices": 0, "chosen": 0}
+    return {"drafts": s.num_drafts, "draft_tokens": s.num_draft_tokens, "accepted": s.num_accepted_tokens,
+            "choices": s.num_length_choices, "chosen": s.num_chosen_tokens}
 
 
 if __name__ == "__main__":

@@ -214,6 +214,7 @@ class KVTransferConfig:
 
 
 SPEC_METHODS = ("ngram", "draft")  # draft: a smaller model of the same tokenizer (spec/draft.py)
+SPEC_LENGTH_RULES = ("slack", "acceptance")  # spec/length.py
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -222,9 +223,11 @@ class SpeculativeConfig:
 
     `ngram`: prompt lookup, the last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`)
     matched against the request's earlier tokens, the tokens that followed proposed as drafts.
-    Each request's speculation length adapts (0..num_speculative_tokens) to its measured acceptance;
-    steps of more than `disable_by_batch_size` requests or `disable_by_num_tokens` tokens propose none (verification is no longer nearly
-    free once the step is compute-bound).
+    Each request's speculation length adapts (0..num_speculative_tokens) to its measured acceptance and,
+    with the `slo` policy's step-time model (`length_rule` "slack"), to what a verified draft costs the
+    step and to the requests' latency targets; steps past `disable_by_batch_size` requests or
+    `disable_by_num_tokens` tokens propose none (verification is no longer nearly free once the step is
+    compute-bound).
 
     `draft`: the model `model` (a registered name or a path; same tokenizer as the target) proposes
     greedily from its own KV cache of `draft_kv_cache_memory_gb`, on the target's device and dtype."""
@@ -234,8 +237,11 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     model: str | None = None  # the draft model ("draft" method)
-    disable_by_batch_size: int = 32
-    disable_by_num_tokens: int = 512  # ... or steps of more tokens (prompt chunks, decodes and drafts)
+    # Compute-bound guard: steps of more requests or more tokens (prompt chunks, decodes and drafts)
+    # propose none. None: 32 and 512 under the acceptance rule, no cap where the slack rule runs (the
+    # step-time model decides); a number caps either rule.
+    disable_by_batch_size: int | None = None
+    disable_by_num_tokens: int | None = None
     # Adaptivity: a request's acceptance rate a (EMA over its verified drafts, weight `acceptance_ema`)
     # sets its length to the largest k with a**k >= min_draft_acceptance (the k-th draft is accepted
     # with probability about a**k); at least 1 while it is worth probing.
@@ -247,6 +253,13 @@ class SpeculativeConfig:
     # rule then wants a**k >= max(min_draft_acceptance, draft_cost) (docs/speculative.md).
     draft_kv_cache_memory_gb: float = 0.25
     draft_cost: float | None = None
+    # length_rule "slack": the acceptance rule's length is an upper bound, and each step's lengths
+    # maximize expected tokens per second under the `slo` policy's step-time model, keeping the step
+    # within every request's budget: the policy's slo_itl_ms and, with slo_tpot_ms, what keeps each
+    # request's TPOT so far within it (docs/speculative.md). Without a step-time model (any other
+    # policy) it is the "acceptance" rule: lengths from acceptance alone, the fixed caps above.
+    length_rule: str = "slack"
+    slo_tpot_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -261,8 +274,13 @@ class SpeculativeConfig:
             raise ValueError("num_speculative_tokens must be an integer >= 1")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
-        if self.disable_by_batch_size < 1 or self.disable_by_num_tokens < 1:
+        if any(v is not None and v < 1 for v in (self.disable_by_batch_size, self.disable_by_num_tokens)):
             raise ValueError("disable_by_batch_size and disable_by_num_tokens must be >= 1")
+        if self.length_rule not in SPEC_LENGTH_RULES:
+            rules = list(SPEC_LENGTH_RULES)
+            raise ValueError(f"unknown length_rule {self.length_rule!r}; choose from {rules}")
+        if self.slo_tpot_ms is not None and not self.slo_tpot_ms > 0:
+            raise ValueError("slo_tpot_ms must be > 0")
         if not (0.0 < self.acceptance_ema <= 1.0 and 0.0 < self.min_draft_acceptance < 1.0):
             raise ValueError("acceptance_ema must be in (0, 1] and min_draft_acceptance in (0, 1)")
 

@@ -162,7 +162,12 @@ class LLMEngine(EngineLoop):
             if config.speculative.method == "draft":
                 proposer = self._make_draft_proposer(config.speculative, draft_model_config, draft_weights)
                 cost = proposer.cost
-            self.spec_executor = SpeculativeExecutor(self.executor, config.speculative, proposer, cost)
+            # The slack length rule reads the `slo` policy's step-time model and ITL target.
+            itl = sc.slo_itl_ms / 1e3 if sc.policy == "slo" else None
+            self.spec_executor = SpeculativeExecutor(
+                self.executor, config.speculative, proposer, cost,
+                step_model=scheduler.step_model, itl_target=itl, clock=scheduler.clock,
+            )
             self.executor = self.spec_executor
         logger.info(
             "engine ready in %.1fs: %s, %s on %s, KV cache %s: %d blocks x %d tokens (%d bytes, %.2f GiB), "

@@ -190,11 +190,12 @@ class SLOAware(Policy):
     def prefill_budget(self, running: Iterable[Request]) -> tuple[int, float, int]:
         """(prompt tokens for this step, predicted step time with all of them, prompt tokens that running
         requests still have to compute). The step's context is that of every running request: decodes
-        read theirs plus the new token, running prompts theirs plus their chunk."""
+        read theirs plus the new token, running prompts theirs plus their chunk. A decode's draft tokens
+        (speculative decoding) are decode tokens too, as the model learns them (`observe_step`)."""
         num_decodes = context = prompt_left = 0
         for req in running:
             if req.is_decode:
-                num_decodes += 1
+                num_decodes += 1 + len(req.spec_token_ids)
                 context += req.num_computed_tokens + 1
             else:
                 context += req.num_computed_tokens

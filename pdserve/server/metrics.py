@@ -217,6 +217,13 @@ class ServerMetrics:
         self.spec_drafts = counter("pdserve:spec_decode_num_drafts", "Verification steps that ran drafts.")
         self.spec_draft_tokens = counter("pdserve:spec_decode_num_draft_tokens", "Draft tokens verified.")
         self.spec_accepted_tokens = counter("pdserve:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        # Mean chosen speculation length = chosen tokens / length choices (docs/speculative.md).
+        self.spec_length_choices = counter(
+            "pdserve:spec_decode_num_length_choices", "Speculation lengths chosen (one per request and step)."
+        )
+        self.spec_chosen_tokens = counter(
+            "pdserve:spec_decode_num_chosen_tokens", "Draft tokens the length rule asked for."
+        )
         self._spec_accepted_per_pos = Counter(
             "pdserve:spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted, by position in the draft.",
@@ -261,6 +268,8 @@ class ServerMetrics:
         self.spec_drafts.inc(max(0, stats.num_spec_drafts - last.num_spec_drafts))
         self.spec_draft_tokens.inc(max(0, stats.num_spec_draft_tokens - last.num_spec_draft_tokens))
         self.spec_accepted_tokens.inc(max(0, stats.num_spec_accepted_tokens - last.num_spec_accepted_tokens))
+        self.spec_length_choices.inc(max(0, stats.num_spec_length_choices - last.num_spec_length_choices))
+        self.spec_chosen_tokens.inc(max(0, stats.num_spec_chosen_tokens - last.num_spec_chosen_tokens))
         for pos, n in enumerate(stats.spec_accepted_per_pos):
             before = last.spec_accepted_per_pos[pos] if pos < len(last.spec_accepted_per_pos) else 0
             if n > before:

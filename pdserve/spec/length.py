@@ -1,9 +1,16 @@
-"""How many drafts each request gets next step: from its measured acceptance, and none once the step is
-large enough to be compute-bound (verifying k more tokens per request then costs about k more tokens)."""
+"""How many drafts each request gets next step.
+
+`SpecLengthController` keeps each request's measured acceptance and its acceptance-only length (today's
+rule, also the upper bound of the slack rule). `choose_lengths` is the slack rule: given the step-time
+model's cost of a verified draft token and every request's latency budget for the next step, it picks
+the lengths that maximize expected tokens per second of the step (0 for all once the batch is
+compute-bound, fewer when a request's ITL/TPOT is at risk). `SpeculativeExecutor` calls both."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 
 class SpecLengthController:
@@ -59,3 +66,59 @@ class SpecLengthController:
 
     def release(self, req_id: str) -> None:
         self._stats.pop(req_id, None)
+
+
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    """The next step's time as the step-time model sees it: `base` seconds with no drafts, plus
+    `per_token` seconds for every draft token it verifies (a verified draft is one more decode token)."""
+
+    base: float
+    per_token: float
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens a step yields for a request with k drafts under the geometric model (each draft accepted
+    with probability a given the ones before it were, plus the token the step always samples):
+    1 + a + ... + a**k = (1 - a**(k+1)) / (1 - a)."""
+    return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def choose_lengths(
+    caps: Sequence[int],
+    acceptances: Sequence[float],
+    cost: StepCost,
+    step_budgets: Sequence[float | None],
+) -> list[int]:
+    """Each request's drafts for the next step, k_i in 0..caps[i], maximizing the step's goodput
+
+        sum_i expected_tokens(a_i, k_i) / (cost.base + cost.per_token * sum_i k_i)
+
+    subject to the step time staying within every request's budget (`step_budgets[i]`, seconds; None:
+    no latency target). Pure; `docs/speculative.md` ("Speculation length from latency slack") has the
+    derivation. The j-th draft of request i adds a_i**j expected tokens for `per_token` seconds and these
+    gains shrink with j, so the best allocation of K draft tokens takes the K largest gains over all
+    requests; goodput rises with K while the next gain g satisfies g > per_token * goodput, and once it
+    does not it never will again (sorted gains fall, goodput stays above g / per_token), so adding gains
+    in order and stopping there is exact. A budget below `base` (at risk even without drafts) allows none."""
+    n = len(caps)
+    budgets = [b for b in step_budgets if b is not None]
+    max_total = sum(caps)
+    if budgets:
+        room = min(budgets) - cost.base
+        if room <= 0:
+            return [0] * n
+        if cost.per_token > 0:
+            max_total = min(max_total, math.floor(room / cost.per_token))
+    # (gain of request i's j-th draft, i), best first
+    gains = [(min(a, 1.0) ** j, i) for i, (cap, a) in enumerate(zip(caps, acceptances)) for j in range(1, cap + 1)]
+    gains.sort(key=lambda g: -g[0])
+    lengths = [0] * n
+    tokens, step_time = float(n), cost.base
+    for gain, i in gains[:max_total]:
+        if gain <= 0.0 or gain * step_time <= cost.per_token * tokens:  # g <= per_token * goodput
+            break
+        lengths[i] += 1
+        tokens += gain
+        step_time += cost.per_token
+    return lengths

@@ -11,6 +11,10 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
+    # The length rule's choices: one per request that sampled in a step that could speculate, and the
+    # drafts asked for (the proposer may find fewer); their ratio is the mean chosen length.
+    num_length_choices: int = 0
+    num_chosen_tokens: int = 0
 
     def observe(self, num_drafts: int, num_accepted: int) -> None:
         if num_drafts <= 0:
@@ -22,6 +26,14 @@ class SpecDecodeStats:
             self.accepted_per_pos.extend([0] * (num_drafts - len(self.accepted_per_pos)))
         for i in range(num_accepted):
             self.accepted_per_pos[i] += 1
+
+    def observe_lengths(self, lengths: list[int]) -> None:
+        self.num_length_choices += len(lengths)
+        self.num_chosen_tokens += sum(lengths)
+
+    @property
+    def mean_chosen_length(self) -> float:
+        return self.num_chosen_tokens / self.num_length_choices if self.num_length_choices else 0.0
 
     @property
     def acceptance_rate(self) -> float:

@@ -83,3 +83,18 @@ X
         a, b = Counter(t[pos] for t in plain), Counter(t[pos] for t in spec)
         tv = 0.5 * sum(abs(a[k] - b[k]) for k in a.keys() | b.keys()) / n
         assert tv < 0.07, (pos, tv, a.most_common(4), b.most_common(4))
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [dict(length_rule="slack", slo_tpot_ms=5.0), dict(length_rule="slack"), dict(length_rule="acceptance")],
+)
+def test_greedy_output_is_unchanged_by_the_length_rule(make_tiny_llm, prompts, rule) -> None:  # type: ignore[no-untyped-def]
+    """Under the `slo` policy the slack rule reads the policy's step-time model (here learned from this
+    machine's own steps, so how many drafts run is not fixed); whatever it picks, output is the same."""
+    want = tokens(make_tiny_llm(scheduler="slo"), prompts)
+    llm = make_tiny_llm(scheduler="slo", speculative_config={**NGRAM, **rule})
+    assert tokens(llm, prompts) == want
+    spec = llm.engine.spec_executor
+    assert spec is not None and spec.stats.num_length_choices > 0
+    assert (spec.step_model is not None) == (rule["length_rule"] == "slack")

@@ -192,6 +192,26 @@ def test_budget_shrinks_as_decodes_grow_and_floor_keeps_prompts_moving() -> None
     assert w.num_floor_steps > 0
 
 
+def test_draft_tokens_count_as_decode_tokens_in_the_budget() -> None:
+    """Speculative decoding: a decode carrying k drafts runs k + 1 decode tokens, which is how the step
+    model learns them, so the prompt budget leaves room for them."""
+    sched = make_scheduler(itl_ms=20.0, min_chunk=8, prior=TRUE, max_num_seqs=64)
+    policy = policy_of(sched)
+    running = []
+    for i in range(4):
+        r = make_req(f"d{i}", [1] * 10, 5)
+        r.output_token_ids.append(1)
+        r.num_computed_tokens = r.num_tokens - 1
+        running.append(r)
+    plain, plain_time, _ = policy.prefill_budget(running)
+    for r in running:
+        r.spec_token_ids = [1, 1, 1]
+    with_drafts, drafts_time, _ = policy.prefill_budget(running)
+    a, b, c, d = TRUE
+    assert with_drafts < plain
+    assert drafts_time - with_drafts * (b + d) == pytest.approx(plain_time - plain * (b + d) + 12 * c)
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_tight_cache_preempts_and_finishes(seed: int) -> None:
     """KV pressure, prefix caching, noisy step times: preemption and recomputation under the policy;

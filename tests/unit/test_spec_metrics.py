@@ -25,3 +25,12 @@ def test_spec_decode_counters_follow_the_engine_totals() -> None:
     assert value(text, "pdserve:spec_decode_num_accepted_tokens_total") == 8
     assert 'pdserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 4.0' in text
     assert 'pdserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 1.0' in text
+
+
+def test_chosen_speculation_lengths_reach_metrics() -> None:
+    m = ServerMetrics("m")
+    m.observe_engine(EngineStats(0, 0, 0.0, 0, 0, 0, num_spec_length_choices=4, num_spec_chosen_tokens=6), None)
+    m.observe_engine(EngineStats(0, 0, 0.0, 0, 0, 0, num_spec_length_choices=10, num_spec_chosen_tokens=9), None)
+    text = generate_latest(m.registry).decode()
+    assert value(text, "pdserve:spec_decode_num_length_choices_total") == 10
+    assert value(text, "pdserve:spec_decode_num_chosen_tokens_total") == 9

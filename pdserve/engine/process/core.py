@@ -311,4 +311,6 @@ def engine_stats(engine: LLMEngine, num_dropped_front_messages: int = 0) -> Engi
         num_spec_draft_tokens=spec.num_draft_tokens if spec is not None else 0,
         num_spec_accepted_tokens=spec.num_accepted_tokens if spec is not None else 0,
         spec_accepted_per_pos=tuple(spec.accepted_per_pos) if spec is not None else (),
+        num_spec_length_choices=spec.num_length_choices if spec is not None else 0,
+        num_spec_chosen_tokens=spec.num_chosen_tokens if spec is not None else 0,
     )

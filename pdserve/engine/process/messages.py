@@ -98,6 +98,9 @@ class EngineStats(msgspec.Struct, array_like=True):
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    # The length rule's choices (requests that could get drafts) and the draft tokens it asked for.
+    num_spec_length_choices: int = 0
+    num_spec_chosen_tokens: int = 0
 
 
 class TransferStats(msgspec.Struct, array_like=True):
