@@ -47,6 +47,7 @@ OPTIONS: Mapping[str, dict[str, object]] = MappingProxyType({
     "kv-int8": {"kv_cache_dtype": "int8"},
     "kv-fp8": {"kv_cache_dtype": "fp8_e4m3"},
     "w-int8": {"weight_dtype": "int8"},
+    "w-w8a8": {"weight_dtype": "w8a8"},
 })
 BASELINE = "bf16"
 
