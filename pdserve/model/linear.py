@@ -33,7 +33,9 @@ on AMX-INT8 / VNNI at twice the bf16 rate. The candidates are the int8 ones abov
 - `IntMmW8A8Linear` ("torch-a8"): `torch._int_mm` (int8 x int8 -> int32) on Q^T, rescaled in fp32.
 
 so a w8a8 row bucket picks an int8 x int8 kernel only where it measures faster than the weight-only ones.
-`--linear-kernel onednn|torch` with w8a8 names the "-a8" kernel; "pdserve" stays weight-only.
+`--linear-kernel onednn|torch` with w8a8 names the "-a8" kernel; "pdserve" stays weight-only. Both are
+row-independent (a row's quantization is its own, int32 sums are exact in any order), so
+`--batch-invariant` may pin one.
 
 `pack_cpu_linears` packs a model's projections: a named kernel for every row count, or ("auto") the
 kernel measured fastest per row bucket on this host (`autotune.py`; cached on disk), dispatched by
@@ -71,7 +73,9 @@ _HEADER = os.path.join(os.path.dirname(__file__), "csrc", "linear_common.h")  # 
 
 PackedLinear = Callable[[torch.Tensor], torch.Tensor]
 LINEAR_KINDS = ("auto", "pdserve", "onednn", "torch")
-ROW_INDEPENDENT = ("pdserve",)  # kernels whose rows do not depend on the batch (tests/model/test_linear*.py)
+# Kernels whose rows do not depend on the batch (tests/model/test_linear*.py): pdserve's (fixed fp32 order)
+# and the int8 x int8 ones (a row's quantization is its own and int32 sums are exact in any order).
+ROW_INDEPENDENT = ("pdserve", "onednn-a8", "torch-a8")
 
 
 def _build(name: str, source: str) -> Any:
@@ -231,7 +235,8 @@ class IntMmW8A8Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         q, s = quantize_rows(x)
-        return torch._int_mm(q, self.qt).float().mul_(s).mul_(self.scale).to(x.dtype)
+        # channel scale first, then the row scale: the order oneDNN applies them, so the two agree bitwise
+        return torch._int_mm(q, self.qt).float().mul_(self.scale).mul_(s).to(x.dtype)
 
     def weight_tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.qt, self.scale)

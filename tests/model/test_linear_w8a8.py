@@ -218,3 +218,31 @@ def test_w8a8_errors_are_clear(tiny_weights):
     with pytest.raises(ValueError, match="w8a8 weights need bf16 activations"):
         LLM(model_config=TINY, weights=tiny_weights, num_blocks=64, block_size=4, kernel_cache_dir="",
             dtype="float32", device="cpu", weight_dtype="w8a8")
+
+
+@pytest.mark.parametrize("name", A8)
+def test_w8a8_rows_do_not_depend_on_the_batch(name):
+    lin = KERNELS[name](quantize_int8(rand(300, 576, seed=5)))
+    batch = rand(100, 576, seed=6).bfloat16()
+    full = lin(batch)
+    for i in (0, 7, 57, 99):
+        assert torch.equal(lin(batch[i : i + 1]), full[i : i + 1])
+    assert torch.equal(lin(batch[:16]), full[:16])
+
+
+def test_batch_invariant_w8a8_pins_one_row_independent_kernel():
+    plan = pack_cpu_linears(w8a8_weights(), "auto", batch_invariant=True, buckets=(1, 16), weight_dtype="w8a8")
+    assert plan.table is not None and plan.table.pinned in ("pdserve", *A8)
+    assert len({p.kernel if hasattr(p, "kernel") else type(p) for p in plan.packed["qkv"]}) == 1
+
+
+def test_the_int8_x_int8_kernels_agree_bitwise():
+    """Same integer sums, the channel scale then the row scale in fp32: the two library kernels are
+    interchangeable per bucket without changing a token."""
+    if len(A8) < 2:
+        pytest.skip("one int8 x int8 kernel here")
+    w = quantize_int8(rand(130, 578, seed=8) * torch.rand(130, 1, generator=torch.Generator().manual_seed(9)))
+    a, b = (KERNELS[name](w) for name in A8[:2])
+    for m in (1, 5, 64, 300):
+        x = 3 * rand(m, 578, seed=m).bfloat16()
+        assert torch.equal(a(x), b(x)), m
