@@ -483,10 +483,10 @@ def pack_cpu_linears(
     bucket. `batch_invariant` pins one row-independent kernel (pdserve's) for every row count; where
     none builds, the kernel fastest at decode-sized buckets, with a warning that rows may then depend on
     the batch. `timer` and `kernels` (name -> packer, default `available_kernels()`) are for tests."""
-    if kind not in LINEAR_KINDS:
-        raise ValueError(f"unknown linear kernel {kind!r}; choose from {LINEAR_KINDS}")
     weight_dtype = _weight_dtype(weights, weight_dtype)
     kernels = dict(available_kernels(weight_dtype) if kernels is None else kernels)
+    if kind not in LINEAR_KINDS and kind not in kernels:  # a candidate's own name ("onednn-a8") is fine too
+        raise ValueError(f"unknown linear kernel {kind!r}; choose from {LINEAR_KINDS}")
     if kind != "auto":
         if weight_dtype == "w8a8" and f"{kind}-a8" in kernels:
             kind = f"{kind}-a8"  # --linear-kernel onednn|torch with w8a8: that library's int8 x int8 kernel

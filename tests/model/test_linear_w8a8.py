@@ -246,3 +246,11 @@ def test_the_int8_x_int8_kernels_agree_bitwise():
     for m in (1, 5, 64, 300):
         x = 3 * rand(m, 578, seed=m).bfloat16()
         assert torch.equal(a(x), b(x)), m
+
+
+def test_batch_invariant_with_one_row_independent_candidate_pins_it():
+    """Where only an int8 x int8 kernel is row-independent (pdserve's does not build), it is pinned by
+    its own name."""
+    kernels = {name: KERNELS[name] for name in (A8[0], "onednn")}
+    plan = pack_cpu_linears(w8a8_weights(), "auto", batch_invariant=True, kernels=kernels, weight_dtype="w8a8")
+    assert plan.kind == A8[0] and all(isinstance(p, KERNELS[A8[0]]) for p in plan.packed["qkv"])
