@@ -119,7 +119,7 @@ def main() -> None:
         llm = LLM(model=args.model, dtype="bfloat16", weight_dtype=wd, linear_kernel=args.linear_kernel,
                   kernel_cache_dir=args.kernel_cache_dir, num_threads=args.num_threads,
                   max_num_seqs=max(batches), max_model_len=max(args.context + args.steps + 8, args.chunk + 8),
-                  max_num_batched_tokens=max(args.chunk, max(batches), 256))
+                  max_num_batched_tokens=max(args.chunk, 2048))  # the chunk in one step
         model = llm.engine.model
         plan = model.linear_plan
         plans[wd] = None if plan is None else {"kind": plan.kind, "describe": plan.describe(),
