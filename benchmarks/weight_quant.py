@@ -1,13 +1,16 @@
-"""Decode speed with bf16 and with int8 weights (`--weight-dtype int8`), side by side in one run:
-single-stream and batched decode tokens/s, the weight bytes one decode step streams (projections and
-output head, as the kernels serving that row count hold them), and what share of this host's measured
-DRAM read bandwidth that stream reaches.
+"""Speed with bf16, int8 (weight-only) and w8a8 (int8 weights and per-token int8 activations) weights
+(`--weight-dtype`), side by side in one run: single-stream and batched decode tokens/s, one prompt
+chunk's prefill tokens/s, the weight bytes one step streams (projections and output head, as the kernels
+serving that row count hold them), and what share of this host's measured DRAM read bandwidth that
+stream reaches.
 
-    .venv/bin/python benchmarks/weight_quant.py [--model M] [--batches 1,16,64] [--context 256] [--steps 32]
-        [--linear-kernel auto] [--json results/weight_quant.json]
+    .venv/bin/python benchmarks/weight_quant.py [--model M] [--weight-dtypes bfloat16,int8,w8a8]
+        [--batches 1,16,64] [--chunk 512] [--context 256] [--steps 32] [--linear-kernel auto]
+        [--json results/weight_quant.json]
 
 Each batch size: that many sequences with `--context` random prompt tokens are prefilled, one decode
-step warms the shape, then `--steps` decode-only steps are timed. The DRAM bandwidth is
+step warms the shape, then `--steps` decode-only steps are timed. The prompt row ("prefill"): one
+step that computes a `--chunk`-token prompt chunk, the best of 3 after a warm-up chunk. The DRAM bandwidth is
 `pdserve bench machine`'s probe (`measure_memory_bandwidth` over 1 GiB). Figures name their host: the
 JSON carries the CPU, its flags, the thread count and the bandwidth, and each weight dtype's kernel table.
 """
@@ -68,10 +71,33 @@ def decode_rate(llm: LLM, batch: int, context: int, steps: int, seed: int) -> fl
     return step
 
 
+def prefill_rate(llm: LLM, chunk: int, seed: int, repeats: int = 3) -> float:
+    """Seconds of the best of `repeats` steps that each compute one fresh `chunk`-token prompt chunk (one
+    warm-up chunk first: oneDNN builds a primitive per new shape)."""
+    eng = llm.engine
+    rng = random.Random(seed)
+    vocab = eng.model_config.vocab_size
+    best = float("inf")
+    for i in range(repeats + 1):
+        eng.block_manager.reset_prefix_cache()
+        prompt = [rng.randrange(100, vocab) for _ in range(chunk)]
+        eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        t0 = time.perf_counter()
+        eng.step()
+        dt = time.perf_counter() - t0
+        if i > 0:
+            best = min(best, dt)
+        while eng.has_unfinished_requests():
+            eng.step()
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--weight-dtypes", default="bfloat16,int8,w8a8", help="the first is the ratios' baseline")
     ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--chunk", type=int, default=512, help="prompt tokens of the prefill row (0: skip it)")
     ap.add_argument("--context", type=int, default=256, help="prompt tokens per sequence before decoding")
     ap.add_argument("--steps", type=int, default=32, help="decode steps timed per batch size")
     ap.add_argument("--linear-kernel", default="auto")
@@ -80,6 +106,8 @@ def main() -> None:
     ap.add_argument("--json", default="results/weight_quant.json", help="where to write the figures")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    dtypes = args.weight_dtypes.split(",")
+    base = dtypes[0]
 
     dram = measure_memory_bandwidth(1 << 30, 0.5)
     host = {"cpu": cpu_name(), "flags": cpu_flags(), "threads": args.num_threads or torch.get_num_threads(),
@@ -87,10 +115,11 @@ def main() -> None:
     print(f"host: {host['cpu']}, {host['threads']} threads, "
           f"{' '.join(f for f, on in host['flags'].items() if on)}; DRAM read {dram / 1e9:.1f} GB/s")
     rows, plans = [], {}
-    for wd in ("bfloat16", "int8"):
+    for wd in dtypes:
         llm = LLM(model=args.model, dtype="bfloat16", weight_dtype=wd, linear_kernel=args.linear_kernel,
                   kernel_cache_dir=args.kernel_cache_dir, num_threads=args.num_threads,
-                  max_num_seqs=max(batches), max_model_len=args.context + args.steps + 8)
+                  max_num_seqs=max(batches), max_model_len=max(args.context + args.steps + 8, args.chunk + 8),
+                  max_num_batched_tokens=max(args.chunk, 2048))  # the chunk in one step
         model = llm.engine.model
         plan = model.linear_plan
         plans[wd] = None if plan is None else {"kind": plan.kind, "describe": plan.describe(),
@@ -103,29 +132,38 @@ def main() -> None:
                          "weight_bytes_per_step": wbytes, "weight_gb_per_s": wbytes / step / 1e9,
                          "fraction_of_dram": wbytes / step / dram,
                          "weight_roof_tok_per_s": b * dram / wbytes})
+        if args.chunk:
+            step = prefill_rate(llm, args.chunk, seed=7)
+            wbytes = streamed_bytes(model, args.chunk)
+            rows.append({"weight_dtype": wd, "batch": "prefill", "step_ms": 1e3 * step, "tok_per_s": args.chunk / step,
+                         "weight_bytes_per_step": wbytes, "weight_gb_per_s": wbytes / step / 1e9,
+                         "fraction_of_dram": wbytes / step / dram,
+                         "weight_roof_tok_per_s": args.chunk * dram / wbytes})
         del llm, model, plan
         gc.collect()
 
     by = {(r["weight_dtype"], r["batch"]): r for r in rows}
-    print(f"\ncontext {args.context} tokens per sequence, {args.steps} decode steps timed per batch")
-    print(f"{'batch':>5} {'weights':>8} {'step ms':>8} {'tok/s':>8} {'W MB/step':>9} {'W GB/s':>7} {'%DRAM':>6} "
-          f"{'roof tok/s':>10} {'int8/bf16':>9}")
-    speedups = {}
-    for b in batches:
-        for wd in ("bfloat16", "int8"):
+    print(f"\ncontext {args.context} tokens per sequence, {args.steps} decode steps timed per batch; "
+          f"prefill: one {args.chunk}-token prompt chunk per step")
+    print(f"{'batch':>7} {'weights':>8} {'step ms':>8} {'tok/s':>8} {'W MB/step':>9} {'W GB/s':>7} {'%DRAM':>6} "
+          f"{'roof tok/s':>10} {'/' + base:>9}")
+    speedups: dict[str, dict[str, float]] = {wd: {} for wd in dtypes[1:]}
+    for b in [*batches, *(["prefill"] if args.chunk else [])]:
+        for wd in dtypes:
             r = by[(wd, b)]
             ratio = ""
-            if wd == "int8":
-                speedups[b] = r["tok_per_s"] / by[("bfloat16", b)]["tok_per_s"]
-                ratio = f"{speedups[b]:.2f}x"
-            print(f"{b:>5} {wd:>8} {r['step_ms']:>8.2f} {r['tok_per_s']:>8.1f} "
+            if wd != base:
+                speedups[wd][str(b)] = r["tok_per_s"] / by[(base, b)]["tok_per_s"]
+                ratio = f"{speedups[wd][str(b)]:.2f}x"
+            label = b if b != "prefill" else f"p{args.chunk}"
+            print(f"{label:>7} {wd:>8} {r['step_ms']:>8.2f} {r['tok_per_s']:>8.1f} "
                   f"{r['weight_bytes_per_step'] / 1e6:>9.1f} {r['weight_gb_per_s']:>7.1f} "
                   f"{100 * r['fraction_of_dram']:>5.0f}% {r['weight_roof_tok_per_s']:>10.1f} {ratio:>9}")
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"host": host, "model": args.model, "context": args.context, "steps": args.steps,
-                       "rows": rows, "speedup_int8_over_bf16": {str(b): s for b, s in speedups.items()},
+                       "chunk": args.chunk, "rows": rows, "baseline": base, "speedup_over_baseline": speedups,
                        "linear_plans": plans}, f, indent=1)
         print(f"wrote {args.json}")
 

@@ -80,7 +80,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     arg(g, "--weight-dtype", EngineConfig, "weight_dtype", choices=WEIGHT_DTYPES,
         help="the projections' and output head's weights (auto: the model dtype); int8: per output "
         "channel, bf16 activations, CPU only: half the bytes a decode step streams; --linear-kernel then "
-        "names pdserve's int8 kernel, torch = ATen's _weight_int8pack_mm, onednn = dequantize + oneDNN")
+        "names pdserve's int8 kernel, torch = ATen's _weight_int8pack_mm, onednn = dequantize + oneDNN; "
+        "w8a8: the same weights, and kernels that may also quantize activations per token (int8 x int8 "
+        "on AMX-INT8/VNNI where measured faster; onednn / torch then name those)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

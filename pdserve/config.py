@@ -132,7 +132,7 @@ KV_TRANSFER_BACKENDS = ("inproc", "shm", "tcp", "torch.distributed")
 ATTENTION_BACKENDS = ("torch", "torch-compiled", "cpu-paged")  # and "auto": see LLMEngine
 LINEAR_KERNELS = ("auto", "pdserve", "onednn", "torch")
 ROUTER_POLICIES = ("round-robin", "least-outstanding-tokens", "least-kv-usage")
-WEIGHT_DTYPES = ("auto", "bfloat16", "int8")  # auto: the model dtype; int8: model/linear.py
+WEIGHT_DTYPES = ("auto", "bfloat16", "int8", "w8a8")  # auto: the model dtype; int8, w8a8: model/linear.py
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 (engine/llm_engine.py resolve_dtype)
 
 

@@ -99,8 +99,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--dram-mb", type=int, default=1024, help="buffer for the DRAM read bandwidth (MiB)")
     m.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
     m.add_argument("--no-kernels", action="store_true", help="skip the model and the kernel A/B table")
-    m.add_argument("--weight-dtype", default="bfloat16", choices=["bfloat16", "int8"],
-                   help="the A/B table's weights: bf16, or int8 per output channel (the int8 kernels)")
+    m.add_argument("--weight-dtype", default="bfloat16", choices=["bfloat16", "int8", "w8a8"],
+                   help="the A/B table's weights: bf16, or int8 per output channel (the int8 kernels; w8a8: "
+                   "with the int8 x int8 kernels too)")
     m.add_argument("--json", action="store_true", help="print the report as JSON instead of tables")
     m.add_argument("--out", default=None, help="also write the JSON report to this file")
     m.set_defaults(func=cmd_machine)
@@ -240,13 +241,14 @@ def cmd_machine(args: argparse.Namespace) -> int:
         model = LlamaModel(cfg)
         model.load_hf_weights(hf)
         del hf
-        if args.weight_dtype == "int8":
+        if args.weight_dtype in ("int8", "w8a8"):
             from pdserve.model.linear import quantize_int8
 
             weights = {op: [quantize_int8(w) for w in ws] for op, ws in model.linear_weights().items()}
         else:
             weights = model.to(torch.bfloat16).linear_weights()
-    report = machine_report(weights, name, rows, args.repeats, args.seconds, args.dram_mb << 20)
+    report = machine_report(weights, name, rows, args.repeats, args.seconds, args.dram_mb << 20,
+                            weight_dtype=args.weight_dtype if weights is not None else None)
     print(json.dumps(report, indent=1) if args.json else format_report(report))
     if args.out:
         with open(args.out, "w") as f:

@@ -113,6 +113,7 @@ def kernel_ab(
     dram_bandwidth: float,
     repeats: int = 5,
     head_ops: Sequence[str] = ("lm_head",),
+    weight_dtype: str | None = None,
 ) -> dict:
     """Every kernel timed at every row count on these weights (a complete A/B table, no early stop),
     the kernel that wins per op and row count, and what the winners reach: the layer projections'
@@ -121,7 +122,7 @@ def kernel_ab(
     second against DRAM bandwidth (a decode step reads every weight once)."""
     from pdserve.model.linear import measure_linears
 
-    table = measure_linears(weights, rows, repeats=repeats, give_up=math.inf)
+    table = measure_linears(weights, rows, repeats=repeats, give_up=math.inf, weight_dtype=weight_dtype)
     shape = {op: (int(ws[0].shape[0]), int(ws[0].shape[1]), len(ws)) for op, ws in weights.items()}
     layer_ops = [op for op in shape if op not in head_ops]
     macs = sum(shape[op][0] * shape[op][1] * shape[op][2] for op in layer_ops)
@@ -147,7 +148,7 @@ def kernel_ab(
             "fraction_of_dram_bandwidth": wbytes / chosen[i] / dram_bandwidth if dram_bandwidth else None,
         })
     return {"ops": {op: list(v) for op, v in shape.items()}, "weight_bytes": wbytes, "rows": per_rows,
-            "weight_dtype": "int8" if int8 else "bfloat16",
+            "weight_dtype": weight_dtype or ("int8" if int8 else "bfloat16"),
             "table": table.to_json()}
 
 
@@ -160,9 +161,11 @@ def machine_report(
     dram_bytes: int = 1 << 30,
     cache_bytes: Sequence[int] = (1 << 20, 32 << 20),
     hidden: int = 576,
+    weight_dtype: str | None = None,
 ) -> dict:
     """The host's CPU, flags, read bandwidth at DRAM and cache sizes, fp32/bf16 matmul roofs and, with
-    `weights` (a model's `linear_weights()`), the kernel A/B table. JSON-ready."""
+    `weights` (a model's `linear_weights()`), the kernel A/B table (`weight_dtype` "w8a8": `Int8Weight`s
+    with the int8 x int8 kernels among the candidates). JSON-ready."""
     limits = measure_machine(("float32", "bfloat16"), hidden, seconds, dram_bytes)
     cpu, _ = cpu_info()
     bandwidth = {str(n): measure_memory_bandwidth(n, seconds) for n in cache_bytes}
@@ -179,7 +182,8 @@ def machine_report(
         "kernels": None,
     }
     if weights is not None:
-        report["kernels"] = kernel_ab(weights, rows, limits.matmul_flops["bfloat16"], limits.memory_bandwidth, repeats)
+        report["kernels"] = kernel_ab(weights, rows, limits.matmul_flops["bfloat16"], limits.memory_bandwidth, repeats,
+                                      weight_dtype=weight_dtype)
     return report
 
 
@@ -201,7 +205,7 @@ def format_report(r: Mapping) -> str:
         ops = list(k["ops"])
         cands = list(k["table"]["order"])
         lines.append("")
-        wd = "int8-weight" if k.get("weight_dtype") == "int8" else "bf16"
+        wd = {"int8": "int8-weight", "w8a8": "w8a8"}.get(k.get("weight_dtype"), "bf16")
         lines.append(f"{wd} projections of {r['model'] or 'the model'}: " + ", ".join(
             f"{op} {n}x{kk} x{c}" for op, (n, kk, c) in k["ops"].items()) + f"; {k['weight_bytes'] / 1e6:.0f} MB")
         lines.append("ms per full pass (each weight cold), the winner per op; with the winners: the layer projections'")

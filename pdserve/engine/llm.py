@@ -57,7 +57,8 @@ class LLM:
         `speculative_config`: speculative decoding in vLLM's convention (see `SpeculativeConfig`);
         `draft_model_config` + `draft_weights`: its "draft" method's model from memory (tests).
         `weight_dtype="int8"`: the projections and output head quantized per output channel (CPU, bf16
-        activations; docs/architecture.md, "8-bit weights")."""
+        activations; docs/architecture.md, "8-bit weights"); `"w8a8"`: the same weights, and kernels that
+        may also quantize the activations per token where they measure faster."""
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig.from_dict(speculative_config)
         config = EngineConfig(

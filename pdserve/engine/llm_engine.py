@@ -112,8 +112,8 @@ class LLMEngine(EngineLoop):
             self.model_name = "random"
         self.model_config: ModelConfig = model_config
         self.tokenizer = tokenizer
-        int8 = self._check_weight_dtype(config.weight_dtype)
-        self.model = self._build_model(model_config, weights, int8)
+        quantized = self._check_weight_dtype(config.weight_dtype)
+        self.model = self._build_model(model_config, weights, quantized)
         del weights
 
         sc = config.scheduler
@@ -195,7 +195,7 @@ class LLMEngine(EngineLoop):
             tokenizer = load_tokenizer(path)
         assert draft_config is not None, "draft weights need their model_config"
         check_same_vocab(self.model_config, draft_config, self.tokenizer, tokenizer)
-        model = self._build_model(draft_config, weights, int8=False)
+        model = self._build_model(draft_config, weights, quantized=None)
         del weights
         cfg = self.config
         layout = KVLayout.for_model(draft_config, self.block_size, "auto", self.dtype)
@@ -211,14 +211,17 @@ class LLMEngine(EngineLoop):
                     draft_config.num_layers, num_blocks, cost)
         return DraftModelProposer(runner, num_blocks, max_len, cost)
 
-    def _build_model(self, model_config: ModelConfig, weights: dict[str, torch.Tensor], int8: bool) -> LlamaModel:
+    def _build_model(
+        self, model_config: ModelConfig, weights: dict[str, torch.Tensor], quantized: str | None
+    ) -> LlamaModel:
         """The model on this engine's device and dtype, with the CPU kernels chosen (the target and the
-        draft model alike): int8 projections when asked, packed linears, fused or plain elementwise ops."""
+        draft model alike): int8 projections when asked (`quantized` "int8" or "w8a8"), packed linears,
+        fused or plain elementwise ops."""
         config = self.config
         model = LlamaModel(model_config)
         model.load_hf_weights(weights)
-        if int8:
-            model.quantize_linears()  # from the float32 weights, before the cast; frees the float copies
+        if quantized is not None:
+            model.quantize_linears(quantized)  # from the float32 weights, before the cast; frees the float copies
         model = model.to(device=self.device, dtype=self.dtype).eval()
         model.inv_freq = model.inv_freq.float()
         if model.prepack_for_cpu(config.linear_kernel, config.batch_invariant, config.autotune_dir):
@@ -231,21 +234,22 @@ class LLMEngine(EngineLoop):
                                     cache_dir=config.autotune_dir)
         return model
 
-    def _check_weight_dtype(self, weight_dtype: str) -> bool:
-        """Whether the projections run from int8 weights; a clear error where they cannot."""
+    def _check_weight_dtype(self, weight_dtype: str) -> str | None:
+        """"int8" or "w8a8" where the projections run from int8 weights (w8a8: their kernels may also
+        quantize the activations), else None; a clear error where they cannot."""
         from pdserve.config import WEIGHT_DTYPES
 
         if weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"unknown weight dtype {weight_dtype!r}; choose from {list(WEIGHT_DTYPES)}")
         if weight_dtype == "bfloat16" and self.dtype != torch.bfloat16:
             raise ValueError(f"weight dtype bfloat16 needs dtype bfloat16 (or auto), not {self.dtype}")
-        if weight_dtype != "int8":
-            return False
+        if weight_dtype not in ("int8", "w8a8"):
+            return None
         if self.device.type != "cpu":
-            raise ValueError(f"int8 weights run on the CPU only (device is {self.device})")
+            raise ValueError(f"{weight_dtype} weights run on the CPU only (device is {self.device})")
         if self.dtype != torch.bfloat16:
-            raise ValueError(f"int8 weights need bf16 activations: dtype bfloat16 (or auto), not {self.dtype}")
-        return True
+            raise ValueError(f"{weight_dtype} weights need bf16 activations: dtype bfloat16 (or auto), not {self.dtype}")
+        return weight_dtype
 
     @property
     def runner(self) -> ModelRunner:

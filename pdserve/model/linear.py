@@ -22,6 +22,21 @@ channel, half the bytes a decode step streams) the same three names mean:
   where present), scaling the output: for prompt-sized row counts, where the GEMM is compute-bound and
   one widening of W is cheap next to it.
 
+With `--weight-dtype w8a8` (the same `Int8Weight`s; vLLM's name) the kernels may also quantize the
+activations, dynamically per token (symmetric, one fp32 scale per row: `quantize_rows`), and multiply
+int8 x int8 with int32 sums, rescaled once by row scale x channel scale: compute-bound row counts then run
+on AMX-INT8 / VNNI at twice the bf16 rate. The candidates are the int8 ones above plus
+
+- `OneDnnW8A8Linear` ("onednn-a8"): oneDNN's int8 GEMM (`onednn.qlinear_pointwise` on a
+  `qlinear_prepack`ed Q, AMX-INT8 where present) with an activation scale of 1 and fp32 output, which the
+  per-row scales then multiply (oneDNN's quantized linear takes one activation scale per tensor).
+- `IntMmW8A8Linear` ("torch-a8"): `torch._int_mm` (int8 x int8 -> int32) on Q^T, rescaled in fp32.
+
+so a w8a8 row bucket picks an int8 x int8 kernel only where it measures faster than the weight-only ones.
+`--linear-kernel onednn|torch` with w8a8 names the "-a8" kernel; "pdserve" stays weight-only. Both are
+row-independent (a row's quantization is its own, int32 sums are exact in any order), so
+`--batch-invariant` may pin one.
+
 `pack_cpu_linears` packs a model's projections: a named kernel for every row count, or ("auto") the
 kernel measured fastest per row bucket on this host (`autotune.py`; cached on disk), dispatched by
 `BucketedLinear` with one bisect on the row count. With bf16 weights the plain weights stay on the
@@ -54,10 +69,13 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "linear_bf16.cpp")
 _SOURCE_INT8 = os.path.join(os.path.dirname(__file__), "csrc", "linear_int8.cpp")
+_HEADER = os.path.join(os.path.dirname(__file__), "csrc", "linear_common.h")  # included by both
 
 PackedLinear = Callable[[torch.Tensor], torch.Tensor]
 LINEAR_KINDS = ("auto", "pdserve", "onednn", "torch")
-ROW_INDEPENDENT = ("pdserve",)  # kernels whose rows do not depend on the batch (tests/model/test_linear*.py)
+# Kernels whose rows do not depend on the batch (tests/model/test_linear*.py): pdserve's (fixed fp32 order)
+# and the int8 x int8 ones (a row's quantization is its own and int32 sums are exact in any order).
+ROW_INDEPENDENT = ("pdserve", "onednn-a8", "torch-a8")
 
 
 def _build(name: str, source: str) -> Any:
@@ -94,6 +112,15 @@ class Int8Weight:
     @property
     def shape(self) -> torch.Size:
         return self.q.shape
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token int8: (q [M, K] int8, scale [M, 1] fp32) with x[m, :] ~ scale[m] * q[m, :],
+    symmetric (scale = max|row| / 127, round to nearest; an all-zero row gets scale 1 and q = 0)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    return torch.round(xf.div_(scale)).clamp_(-127, 127).to(torch.int8), scale
 
 
 def quantize_int8(w: torch.Tensor) -> Int8Weight:
@@ -183,6 +210,38 @@ class DequantOneDnnLinear:
         return (self.q, self.scale)
 
 
+class OneDnnW8A8Linear:
+    def __init__(self, weight: Int8Weight) -> None:
+        self.out_features = weight.shape[0]
+        self.packed = torch.ops.onednn.qlinear_prepack(weight.q, None)
+        self.scale = weight.scale  # fp32, per output channel (oneDNN applies it to the int32 sums)
+        self.zero_points = torch.zeros(self.out_features, dtype=torch.int64)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        q, s = quantize_rows(x)
+        y = torch.ops.onednn.qlinear_pointwise(
+            q, 1.0, 0, self.packed, self.scale, self.zero_points, None, 1.0, 0, torch.float32, "none", [], ""
+        )
+        return y.mul_(s).to(x.dtype)
+
+    def weight_tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.packed, self.scale)
+
+
+class IntMmW8A8Linear:
+    def __init__(self, weight: Int8Weight) -> None:
+        self.qt = weight.q.t().contiguous()  # [K, N]: the layout _int_mm's CPU kernel reads fastest
+        self.scale = weight.scale
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        q, s = quantize_rows(x)
+        # channel scale first, then the row scale: the order oneDNN applies them, so the two agree bitwise
+        return torch._int_mm(q, self.qt).float().mul_(self.scale).mul_(s).to(x.dtype)
+
+    def weight_tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.qt, self.scale)
+
+
 class BucketedLinear:
     """Several kernels for one weight, chosen by row count: `kernels[i]` serves rows up to `bounds[i]`
     (the last serves every larger count too). One bisect per call, no timing."""
@@ -215,9 +274,12 @@ def resident_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def available_kernels(weight_dtype: str = "bfloat16") -> dict[str, Callable[[Any], PackedLinear]]:
-    """Name -> packer for each kernel that works on this host for bf16 (`torch.Tensor`) or int8
+    """Name -> packer for each kernel that works on this host for bf16 (`torch.Tensor`), int8 or w8a8
     (`Int8Weight`) weights, in autotune order: oneDNN first (on an AMX host it bounds the large buckets,
-    which lets the slower kernels stop early), pdserve's, torch."""
+    which lets the slower kernels stop early), pdserve's, torch; w8a8 puts its int8 x int8 kernels
+    ("-a8") before the weight-only ones."""
+    if weight_dtype == "w8a8":
+        return {**_w8a8_kernels(), **_int8_kernels()}
     if weight_dtype == "int8":
         return _int8_kernels()
     out: dict[str, Callable[[Any], PackedLinear]] = {}
@@ -244,6 +306,15 @@ def _int8_kernels() -> dict[str, Callable[[Any], PackedLinear]]:
     return out
 
 
+def _w8a8_kernels() -> dict[str, Callable[[Any], PackedLinear]]:
+    out: dict[str, Callable[[Any], PackedLinear]] = {}
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise"):
+        out["onednn-a8"] = OneDnnW8A8Linear
+    if hasattr(torch, "_int_mm"):
+        out["torch-a8"] = IntMmW8A8Linear
+    return out
+
+
 def _can_pack(kind: str, weight: torch.Tensor | Int8Weight) -> bool:
     if kind == "pdserve":
         return weight.shape[1] % 2 == 0  # the kernels read k in pairs
@@ -252,9 +323,16 @@ def _can_pack(kind: str, weight: torch.Tensor | Int8Weight) -> bool:
     return True
 
 
-def _weight_dtype(weights: Mapping[str, Sequence[torch.Tensor | Int8Weight]]) -> str:
+def _weight_dtype(weights: Mapping[str, Sequence[torch.Tensor | Int8Weight]], asked: str | None = None) -> str:
+    """The weights' dtype for kernel choice: `asked` ("w8a8" for `Int8Weight`s that may meet int8
+    activations), else what the weights are (int8 or bfloat16)."""
     first = next(iter(weights.values()))[0]
-    return "int8" if isinstance(first, Int8Weight) else "bfloat16"
+    held = "int8" if isinstance(first, Int8Weight) else "bfloat16"
+    if asked is None or asked == held:
+        return held
+    if asked == "w8a8" and held == "int8":
+        return asked
+    raise ValueError(f"{asked} kernels need {'Int8Weight' if asked == 'w8a8' else asked} weights, not {held}")
 
 
 def cpu_linear_packer(kind: str = "auto") -> Callable[[torch.Tensor], PackedLinear] | None:
@@ -300,7 +378,7 @@ class LinearPlan:
         return [t for p in kernels for t in p.weight_tensors()]  # type: ignore[attr-defined]
 
     def describe(self) -> str:
-        weights = "bf16" if self.weight_dtype == "bfloat16" else "int8-weight"
+        weights = {"bfloat16": "bf16", "int8": "int8-weight"}.get(self.weight_dtype, self.weight_dtype)
         if self.table is None:
             return f"{weights} linear kernel: {self.kind} at every row count"
         if self.cache_hit:
@@ -314,14 +392,21 @@ class LinearPlan:
 
 
 def tune_key(
-    weights: Mapping[str, Sequence[torch.Tensor | Int8Weight]], candidates: Sequence[str], buckets: Sequence[int]
+    weights: Mapping[str, Sequence[torch.Tensor | Int8Weight]],
+    candidates: Sequence[str],
+    buckets: Sequence[int],
+    weight_dtype: str | None = None,
 ) -> dict:
     """What a measured table depends on: the host (CPU model and flags), torch, the thread count, the
-    weights' dtype, the shapes and how many of each, the candidates, and the source of pdserve's kernel."""
+    weights' dtype, the shapes and how many of each, the candidates, and the source of pdserve's kernel
+    (with the header it shares)."""
     cpu, flags = autotune.cpu_info()
-    weight_dtype = _weight_dtype(weights)
-    with open(_SOURCE_INT8 if weight_dtype == "int8" else _SOURCE, "rb") as f:
-        kernel_digest = hashlib.sha256(f.read()).hexdigest()[:16]
+    weight_dtype = _weight_dtype(weights, weight_dtype)
+    digest = hashlib.sha256()
+    for src in (_SOURCE if weight_dtype == "bfloat16" else _SOURCE_INT8, _HEADER):
+        with open(src, "rb") as f:
+            digest.update(f.read())
+    kernel_digest = digest.hexdigest()[:16]
     return {
         "cpu": cpu,
         "flags": list(flags),
@@ -365,10 +450,12 @@ def measure_linears(
     repeats: int = 5,
     give_up: float = 2.0,
     timer: autotune.Timer = time.perf_counter,
+    weight_dtype: str | None = None,
 ) -> TuneTable:
     """Seconds per full pass of each op with each kernel at each bucket's row count (`autotune.tune`;
-    `give_up=math.inf` times every kernel everywhere, for a complete A/B table)."""
-    kernels = available_kernels(_weight_dtype(weights)) if kernels is None else kernels
+    `give_up=math.inf` times every kernel everywhere, for a complete A/B table). `weight_dtype` "w8a8"
+    adds the int8-activation kernels to `Int8Weight`s' candidates."""
+    kernels = available_kernels(_weight_dtype(weights, weight_dtype)) if kernels is None else kernels
     return autotune.tune(
         list(kernels), lambda c: _pass_builder(weights, c, kernels[c]), list(weights), buckets,
         repeats=repeats, timer=timer, give_up=give_up,
@@ -384,9 +471,11 @@ def pack_cpu_linears(
     buckets: Sequence[int] = ROW_BUCKETS,
     timer: autotune.Timer = time.perf_counter,
     kernels: Mapping[str, Callable[[Any], PackedLinear]] | None = None,
+    weight_dtype: str | None = None,
 ) -> LinearPlan:
     """Pack bf16 [N, K] weights or `Int8Weight`s (all of one kind), grouped by op (e.g. {"qkv": [30
-    layers' weights], "lm_head": [...]}); the candidates are that weight dtype's kernels.
+    layers' weights], "lm_head": [...]}); the candidates are that weight dtype's kernels (`weight_dtype`
+    None: what the weights are; "w8a8": `Int8Weight`s whose kernels may quantize the activations).
 
     A named `kind` packs that kernel for every row count. "auto" times each available kernel on these
     weights at `buckets` rows (`autotune.tune`), or reads the table cached in `cache_dir` for the same
@@ -394,11 +483,13 @@ def pack_cpu_linears(
     bucket. `batch_invariant` pins one row-independent kernel (pdserve's) for every row count; where
     none builds, the kernel fastest at decode-sized buckets, with a warning that rows may then depend on
     the batch. `timer` and `kernels` (name -> packer, default `available_kernels()`) are for tests."""
-    if kind not in LINEAR_KINDS:
-        raise ValueError(f"unknown linear kernel {kind!r}; choose from {LINEAR_KINDS}")
-    weight_dtype = _weight_dtype(weights)
+    weight_dtype = _weight_dtype(weights, weight_dtype)
     kernels = dict(available_kernels(weight_dtype) if kernels is None else kernels)
+    if kind not in LINEAR_KINDS and kind not in kernels:  # a candidate's own name ("onednn-a8") is fine too
+        raise ValueError(f"unknown linear kernel {kind!r}; choose from {LINEAR_KINDS}")
     if kind != "auto":
+        if weight_dtype == "w8a8" and f"{kind}-a8" in kernels:
+            kind = f"{kind}-a8"  # --linear-kernel onednn|torch with w8a8: that library's int8 x int8 kernel
         if kind not in kernels:
             raise ValueError(f"the {kind!r} linear kernel is unavailable here for {weight_dtype} weights; "
                              f"available: {sorted(kernels)}")
@@ -417,16 +508,17 @@ def pack_cpu_linears(
                            "fastest at decode sizes, whose rows may still round differently with the batch")
     if len(candidates) == 1:
         pinned = candidates[0]
-        packed = pack_cpu_linears(weights, pinned, kernels=kernels).packed
+        packed = pack_cpu_linears(weights, pinned, kernels=kernels, weight_dtype=weight_dtype).packed
         return LinearPlan(packed, pinned, weight_dtype=weight_dtype)
 
-    key = tune_key(weights, candidates, buckets)
+    key = tune_key(weights, candidates, buckets, weight_dtype)
     path = autotune.cache_path(cache_dir, "linear", key) if cache_dir else None
     table = autotune.load_cached(path, key) if path else None
     hit = table is not None
     if table is None:
         t0 = time.perf_counter()
-        table = measure_linears(weights, buckets, {c: kernels[c] for c in candidates}, timer=timer)
+        table = measure_linears(weights, buckets, {c: kernels[c] for c in candidates}, timer=timer,
+                                weight_dtype=weight_dtype)
         logger.info("%s linear kernels measured in %.1f s", weight_dtype, time.perf_counter() - t0)
         if table.noise > autotune.NOISY:
             logger.warning("the machine looked busy while timing the linear kernels (median %.1fx the best); "

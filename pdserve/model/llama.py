@@ -106,6 +106,7 @@ class LlamaModel(nn.Module):
         self.packed_lm_head: PackedLinear | None = None  # packed copy (CPU, bf16)
         self.linear_plan: LinearPlan | None = None  # which kernels prepack_for_cpu chose, and why
         self.int8_weights: dict[str, list[Int8Weight]] | None = None  # quantize_linears -> prepack_for_cpu
+        self.quantized_dtype: str | None = None  # "int8" (weight-only) or "w8a8": which kernels may serve them
 
     def forward(
         self,
@@ -143,7 +144,8 @@ class LlamaModel(nn.Module):
         if kind == "torch" and not int8:
             return False
         weights = self.int8_weights if self.int8_weights is not None else self.linear_weights()
-        self.linear_plan = pack_cpu_linears(weights, kind, batch_invariant=batch_invariant, cache_dir=cache_dir)
+        self.linear_plan = pack_cpu_linears(weights, kind, batch_invariant=batch_invariant, cache_dir=cache_dir,
+                                            weight_dtype=self.quantized_dtype if int8 else None)
         self.int8_weights = None  # what the kernels did not keep goes now
         for i, layer in enumerate(self.layers):
             layer.packed = {name: self.linear_plan.packed[name][i] for name in LlamaLayer.PROJECTIONS}
@@ -151,12 +153,15 @@ class LlamaModel(nn.Module):
         return True
 
     @torch.no_grad()
-    def quantize_linears(self) -> None:
+    def quantize_linears(self, weight_dtype: str = "int8") -> None:
         """Quantize every projection and the output head to int8 per output channel (`quantize_int8`),
         from the float32 weights as loaded (before the cast to bf16: one rounding, not two), and free the
         float copies: a decode step then streams half the bytes, and only the int8 ones stay resident.
         The embedding stays float (it is gathered a few rows a step, not streamed; with tied embeddings
-        the head gets its own int8 copy). `prepack_for_cpu` then packs the int8 weights."""
+        the head gets its own int8 copy). `prepack_for_cpu` then packs the int8 weights with the kernels
+        `weight_dtype` allows: "int8" bf16 activations only, "w8a8" also int8 x int8 (`linear.py`)."""
+        assert weight_dtype in ("int8", "w8a8"), weight_dtype
+        self.quantized_dtype = weight_dtype
         weights = self.linear_weights()
         self.int8_weights = {op: [quantize_int8(w) for w in ws] for op, ws in weights.items()}
         for layer in self.layers:

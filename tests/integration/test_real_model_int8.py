@@ -1,4 +1,4 @@
-"""SmolLM2 with 8-bit weights (`--weight-dtype int8`): greedy chat replies are sane text and follow the
+"""SmolLM2 with 8-bit weights (`--weight-dtype int8`, and `w8a8`): greedy chat replies are sane text and follow the
 bf16 ones for most of their first tokens; the CLI runs it end to end. pdserve's kernels are pinned (the
 autotune's choice is tested on the tiny model; each int8 kernel against the reference in
 tests/model/test_linear_int8.py)."""
@@ -41,6 +41,26 @@ def test_int8_greedy_follows_bf16():
     assert sum(c >= 8 for c in common) >= 4, common
     assert sum(common) / len(common) >= 10, common
     assert "Paris" in outs["int8"][0].text
+
+
+def test_w8a8_greedy_follows_bf16():
+    """`--weight-dtype w8a8` with oneDNN's int8 x int8 kernel pinned at every row count (so activations
+    are quantized everywhere, the worst case for accuracy): replies stay sane and follow bf16 at first."""
+    params = SamplingParams(temperature=0, max_tokens=32)
+    msgs = [[{"role": "user", "content": p}] for p in PROMPTS]
+    outs = {}
+    for wd, kernel in (("bfloat16", "pdserve"), ("w8a8", "onednn")):
+        llm = LLM(weight_dtype=wd, linear_kernel=kernel)
+        outs[wd] = [o.outputs[0] for o in llm.chat(msgs, params, use_tqdm=False)]
+        if wd == "w8a8":
+            assert llm.engine.model.linear_plan.weight_dtype == "w8a8"
+    common = []
+    for a, b in zip(outs["bfloat16"], outs["w8a8"]):
+        assert b.text.strip() and all(c.isprintable() or c.isspace() for c in b.text), b.text
+        common.append(next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
+                           min(len(a.token_ids), len(b.token_ids))))
+    assert sum(common) / len(common) >= 4, common  # a broken rescale diverges at the first token
+    assert "Paris" in outs["w8a8"][0].text
 
 
 def test_cli_generate_with_int8_weights(capsys):

@@ -109,3 +109,17 @@ def test_bench_machine_command_json(capsys):
     assert args.func(args) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["kernels"] is None and set(r["matmul_flops"]) == {"float32", "bfloat16"} and r["cpu"]
+
+
+def test_machine_report_with_w8a8_weights():
+    from pdserve.bench.machine import format_report, machine_report
+    from pdserve.model.linear import available_kernels, quantize_int8
+
+    weights = {op: [quantize_int8(w) for w in ws] for op, ws in tiny_linear_weights().items()}
+    r = machine_report(weights, "tiny", rows=(1, 16), repeats=1, seconds=0.01, dram_bytes=1 << 20,
+                       cache_bytes=(1 << 16,), hidden=16, weight_dtype="w8a8")
+    k = r["kernels"]
+    assert k["weight_dtype"] == "w8a8"
+    assert all(set(row["ms"]) == set(available_kernels("w8a8")) for row in k["rows"])
+    assert any(name.endswith("-a8") for name in k["rows"][0]["ms"])
+    assert "w8a8 projections" in format_report(r)

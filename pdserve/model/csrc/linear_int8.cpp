@@ -12,33 +12,21 @@
 // The per-channel scale multiplies the fp32 sums once at the end. Q is prefetched 8 KB ahead in the
 // panel; rows come in blocks of 192 that stay in L2 (as in the bf16 kernel).
 // Accumulation order per output element is fixed, so a row's result does not depend on the other rows.
-#include <torch/extension.h>
+#include "linear_common.h"
+
 #include <ATen/Parallel.h>
 
-#include <algorithm>
-#include <cstdint>
 #include <cstdlib>
 #include <memory>
 
+using namespace pdserve_linear;
+
 namespace {
-constexpr int64_t kPanel = 32;       // output columns per panel (two vectors)
-constexpr int64_t kMaxRows = 12;     // rows per register tile
-constexpr int64_t kPrefetch = 128;   // k pairs ahead that Q is prefetched (8 KB of a panel)
-constexpr int64_t kBlockRows = 192;  // rows per block: x of a block stays in L2 while the panels pass
+constexpr int64_t kPrefetch = 128;  // k pairs ahead that Q is prefetched (8 KB of a panel)
 }  // namespace
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#define PDSERVE_HAVE_AVX512BF16 1
-
+#ifdef PDSERVE_HAVE_AVX512BF16
 namespace {
-
-inline void store_bf16x16(at::BFloat16* o, __m512 v, __mmask16 keep) {
-  __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-  _mm256_mask_storeu_epi16(o, keep, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
-}
 
 // 32 int8 (16 columns x one k pair) -> the bf16 vector vdpbf16ps pairs with a broadcast x pair.
 // vcvtne2ps2bf16(a, b) puts b in the low 16 elements, a in the high 16.
@@ -100,48 +88,20 @@ void tile(const int32_t* x, int64_t xs, const W& w, int64_t KP, const float* s, 
   }
 }
 
-template <int R, class W>
-void run_tile(const int32_t* x, int64_t xs, const W& w, int64_t KP, const float* s, at::BFloat16* o, int64_t os,
-              __mmask16 k0, __mmask16 k1, int64_t rows) {
-  if constexpr (R > 1) {
-    if (rows < R) return run_tile<R - 1>(x, xs, w, KP, s, o, os, k0, k1, rows);
-  }
-  tile<R>(x, xs, w, KP, s, o, os, k0, k1);
-}
-
 }  // namespace
 #endif
 
-bool available() {
-#ifdef PDSERVE_HAVE_AVX512BF16
-  return true;
-#else
-  return false;
-#endif
-}
-
 // q [N, K] int8, K even -> [ceil(N/32), K/2, 32, 2] (columns past N are zero). 64-byte aligned by torch's
 // CPU allocator, which the 16-byte aligned loads of `widen` rely on.
-torch::Tensor pack(torch::Tensor q) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar && q.size(1) % 2 == 0, "q must be [N, K] int8, K even");
-  const int64_t N = q.size(0), K = q.size(1), panels = (N + kPanel - 1) / kPanel;
-  auto padded = torch::zeros({panels * kPanel, K}, q.options());
-  padded.narrow(0, 0, N).copy_(q);
-  return padded.view({panels, kPanel, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
-}
+torch::Tensor pack(torch::Tensor q) { return pack_panels(q, torch::kChar); }
 
 // x [M, K] bf16 (rows may be strided) times the packed Q of n output columns, scaled per column by
 // `scale` (fp32, padded to the panels' width) -> [M, n] bf16.
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, int64_t n) {
 #ifdef PDSERVE_HAVE_AVX512BF16
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.device().is_cpu(), "x must be a 2-D bf16 CPU tensor");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kChar && packed.size(2) == kPanel &&
-                  packed.is_contiguous() && packed.size(1) * 2 == x.size(1) && n > (packed.size(0) - 1) * kPanel &&
-                  n <= packed.size(0) * kPanel,
-              "packed weight does not match x / n");
+  x = check_args(x, packed, n, torch::kChar);
   TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.numel() == packed.size(0) * kPanel,
               "scale must be fp32, one per padded column");
-  if (x.stride(1) != 1 || x.stride(0) % 2 != 0) x = x.contiguous();
   const int64_t M = x.size(0), KP = packed.size(1), panels = packed.size(0);
   auto out = torch::empty({M, n}, x.options());
   if (M == 0) return out;
@@ -150,30 +110,29 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
   const int8_t* q = packed.data_ptr<int8_t>();
   const float* s = scale.data_ptr<float>();
   at::BFloat16* o = out.data_ptr<at::BFloat16>();
-  const int64_t blocks = (M + kBlockRows - 1) / kBlockRows;
-  at::parallel_for(0, blocks * panels, 1, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, num_blocks(M) * panels, 1, [&](int64_t i0, int64_t i1) {
     // A block of more rows than one tile widens each panel once, into this thread's scratch.
     std::unique_ptr<__m512i[], decltype(&std::free)> scratch(nullptr, &std::free);
     if (M > kMaxRows) scratch.reset(static_cast<__m512i*>(std::aligned_alloc(64, KP * 2 * sizeof(__m512i))));
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / panels, p = i % panels, first = b * kBlockRows, rows = std::min(kBlockRows, M - first);
-      const int64_t cols = std::min(kPanel, n - p * kPanel);
-      const auto k0 = static_cast<__mmask16>((1u << std::min<int64_t>(cols, 16)) - 1u);
-      const auto k1 = static_cast<__mmask16>(cols > 16 ? (1u << (cols - 16)) - 1u : 0u);
-      const int64_t tiles = (rows + kMaxRows - 1) / kMaxRows, base = rows / tiles, extra = rows % tiles;
-      const int8_t* qp = q + p * KP * 64;
-      if (tiles == 1) {
-        run_tile<kMaxRows>(xp + first * xs, xs, FromInt8{qp}, KP, s + p * kPanel, o + first * n + p * kPanel, n, k0,
-                           k1, rows);
+      const PanelJob job = panel_job(i, M, n, panels);
+      const int8_t* qp = q + job.panel * KP * 64;
+      const float* sp = s + job.panel * kPanel;
+      if (num_tiles(job.rows) == 1) {
+        with_rows<kMaxRows>(job.rows, [&](auto R) {
+          tile<decltype(R)::value>(xp + job.first * xs, xs, FromInt8{qp}, KP, sp, o + job.first * n + job.panel * kPanel,
+                                   n, job.keep0, job.keep1);
+        });
         continue;
       }
       widen_panel(qp, KP, scratch.get());
-      for (int64_t t = 0, m0 = first; t < tiles; ++t) {
-        const int64_t r = base + (t < extra ? 1 : 0);
-        run_tile<kMaxRows>(xp + m0 * xs, xs, FromBf16{scratch.get()}, KP, s + p * kPanel, o + m0 * n + p * kPanel, n,
-                           k0, k1, r);
-        m0 += r;
-      }
+      const FromBf16 wide{scratch.get()};
+      for_each_tile(job.first, job.rows, [&](int64_t m0, int64_t r) {
+        with_rows<kMaxRows>(r, [&](auto R) {
+          tile<decltype(R)::value>(xp + m0 * xs, xs, wide, KP, sp, o + m0 * n + job.panel * kPanel, n, job.keep0,
+                                   job.keep1);
+        });
+      });
     }
   });
   return out;
