@@ -211,3 +211,17 @@ def test_masked_vocab_never_sampled():
     params = [SamplingParams(temperature=3.0, top_p=0.99, min_p=0.001)] * 1000 + [SamplingParams()] * 1000
     out = sample(logits, params)
     assert out.token_ids.max().item() < 40
+
+
+def test_greedy_is_argmax_on_ties_and_nans():
+    from pdserve.runner.sampler import greedy
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(100):
+        x = torch.randint(0, 3, (5, 300), generator=g).float()  # many equal maxima per row
+        if trial % 3 == 1:
+            x[:, 7::11] = float("nan")
+        if trial % 3 == 2:
+            x[1] = float("-inf")
+        assert torch.equal(greedy(x), x.argmax(dim=-1)), trial
+        assert torch.equal(greedy(x.bfloat16()), x.bfloat16().argmax(dim=-1)), trial
