@@ -24,6 +24,7 @@ from pdserve.batch import BatchRequest
 from pdserve.config import ModelConfig
 from pdserve.request import SamplingParams
 from pdserve.runner.model_runner import ModelRunner
+from pdserve.runner.sampler import greedy
 from pdserve.spec.proposer import DraftRequest
 
 _GREEDY = SamplingParams(temperature=0)  # the runner's batch rows need params; the draft takes the argmax
@@ -142,4 +143,4 @@ class DraftModelProposer:
     def _greedy(self, batch: list[BatchRequest]) -> list[int]:
         """One batched draft forward; each request's next token (argmax of its last position's logits)."""
         logits = self.runner.logits_for(batch, [1] * len(batch))
-        return torch.cat(logits).argmax(dim=-1).tolist()
+        return greedy(torch.cat(logits)).tolist()
