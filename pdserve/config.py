@@ -86,7 +86,7 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
 
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8_e4m3", "int4")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,8 +97,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     swap_space_gb: float = 4.0  # host-memory tier for swapped-out KV (only with preemption_mode "swap")
     # How K/V are stored (kv/quant.py): "auto" is the model's dtype; int8 and fp8_e4m3 keep one float32
-    # scale per token and kv head; int4 (keys per channel, values per token, the newest tokens kept
-    # unquantized until their block fills) is not implemented yet.
+    # scale per token and kv head; int4 (kv/int4.py, KIVI: keys per channel within a block, values per
+    # token, the newest tokens kept unquantized until their block fills; not with disaggregation yet).
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
@@ -311,6 +311,13 @@ class EngineConfig:
             raise ValueError(f"unknown weight dtype {self.weight_dtype!r}; choose from {list(WEIGHT_DTYPES)}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.cache.kv_cache_dtype == "int4" and self.kv_transfer.backend is not None:
+            from pdserve.errors import UnsupportedConfigError
+
+            raise UnsupportedConfigError(
+                "kv_cache_dtype int4 cannot be used with KV transfer (disaggregation) yet: moving open "
+                "int4 blocks between instances is not implemented; use int8 or an unquantized KV cache"
+            )
 
     @property
     def autotune_dir(self) -> str | None:
