@@ -22,8 +22,8 @@ int4 (`--kv-cache-dtype int4`, the KIVI layout, kv/int4.py) is the one layout wi
 `data` `[..., block_size, head_dim / 2]` uint8, keys with a float16 scale and zero per channel
 `k_qparams` `[num_layers, 2 (scale, zero), num_kv_heads, num_blocks, head_dim]`, values per token
 `v_qparams` `[..., num_blocks, block_size]`). The runner drives the state once per step
-(`begin_step`: forget freed blocks, seal committed ones, open those written for the first time;
-`end_step`: seal the blocks this step filled with committed tokens), the block manager reports frees
+(`begin_step`: forget freed blocks, seal the committed ones nobody writes now, open those written for
+the first time; `end_step`: note the blocks this step filled with committed tokens), the block manager reports frees
 (`note_freed`), and every read sees what a decode would: a query attends to the blocks before its own
 as sealed (dequantized, or an open block quantized on the fly by the same function) and to its own
 block unquantized, so chunking, prefix caching, speculation and preemption do not change the output."""
@@ -323,6 +323,7 @@ class KVCache:
             (*head, num_residual_slots, lay.block_size, lay.head_dim), dtype=lay.residual_dtype, device=dev
         )
         self.residual_slot = torch.full((nb,), -1, dtype=torch.int32, device=dev)
+        self._sealable = torch.zeros(nb, dtype=torch.bool, device=dev)  # open, every token committed
         self._free_slots = list(range(num_residual_slots - 1, -1, -1))  # pop() hands out the lowest first
         self._freed: dict[int, bool] = {}  # blocks freed since the last step -> whether they stay cached
         self.host_k_qparams: torch.Tensor | None = None
@@ -352,26 +353,30 @@ class KVCache:
 
     def begin_step(self, slot_mapping: torch.Tensor, block_table: torch.Tensor, num_committed_blocks: torch.Tensor) -> None:
         """int4, before a step's forward: forget freed blocks (a cached one is sealed, the others give
-        their slot back), seal the open blocks among each request's first `num_committed_blocks[i]` of
-        `block_table[i]` (filled by drafts that have since been accepted), and open every block that
-        `slot_mapping` writes to for the first time. Every layer's attention then finds each block it
-        reads either sealed or open."""
+        their slot back); seal every open block known to hold only committed tokens (marked by the last
+        `end_step`, or among each request's first `num_committed_blocks[i]` of `block_table[i]`: blocks
+        drafts filled and that have since been accepted) unless this step writes it; open every block
+        `slot_mapping` writes to for the first time. Every layer then finds each block it reads either
+        sealed or open. A block is never sealed in the step that writes it, so running a step again (the
+        engine replays a failed step request by request) rewrites open blocks only."""
         self._forget_freed()
-        self._seal_committed(block_table, num_committed_blocks)
         written = torch.unique(slot_mapping.to(self.device) // self.block_size)
+        self._mark_committed(block_table, num_committed_blocks)
+        self._sealable[written] = False
+        self._seal(self._sealable.nonzero().squeeze(1))
         fresh = written[self.residual_slot.index_select(0, written) < 0]
         self._open(fresh.tolist())
 
     def end_step(self, block_table: torch.Tensor, num_committed_blocks: torch.Tensor) -> None:
-        """int4, after a step's forward: seal the open blocks among each request's first
-        `num_committed_blocks[i]` (every token committed: draft tokens are not, until accepted), all
-        layers in one batched quantization."""
-        self._seal_committed(block_table, num_committed_blocks)
+        """int4, after a step's forward: the open blocks among each request's first
+        `num_committed_blocks[i]` hold only committed tokens (draft tokens are not, until accepted); the
+        next step seals them, all layers in one batched quantization."""
+        self._mark_committed(block_table, num_committed_blocks)
 
-    def _seal_committed(self, block_table: torch.Tensor, num_committed_blocks: torch.Tensor) -> None:
+    def _mark_committed(self, block_table: torch.Tensor, num_committed_blocks: torch.Tensor) -> None:
         cols = torch.arange(block_table.shape[1])
-        candidates = torch.unique(block_table[cols < num_committed_blocks.unsqueeze(1)]).to(self.device)
-        self._seal(candidates[self.residual_slot.index_select(0, candidates) >= 0])
+        candidates = block_table[cols < num_committed_blocks.unsqueeze(1)].to(self.device)
+        self._sealable[candidates[self.residual_slot.index_select(0, candidates) >= 0]] = True
 
     def _forget_freed(self) -> None:
         if not self._freed:
@@ -401,6 +406,7 @@ class KVCache:
             return
         self._free_slots.extend(self.residual_slot.index_select(0, blocks).tolist())
         self.residual_slot[blocks] = -1
+        self._sealable[blocks] = False
 
     def _seal(self, blocks: torch.Tensor) -> None:
         """Quantize open `blocks` (int64 tensor) of every layer from their residual slots, then free the slots."""

@@ -124,7 +124,7 @@ class ModelRunner:
         """The model over a laid-out step. An int4 cache's blocks change state around it, once per step
         for all layers (kv/cache.py): before, blocks holding only committed tokens are sealed and the
         blocks written for the first time opened; after, the blocks this step filled with committed
-        tokens (not drafts, which are committed only once accepted) are sealed."""
+        tokens (not drafts, which are committed only once accepted) are noted, for the next step to seal."""
         input_ids, positions, meta, last_index, table = self._prepare(scheduled)
         kv = self.kv_cache
         if not kv.is_int4:

@@ -99,6 +99,11 @@ def _fill(cache: KVCache, blocks: list[int], seed: int = 0) -> torch.Tensor:
     return kv.view(TINY.num_layers, 2, len(blocks), bs, TINY.num_kv_heads, -1).permute(0, 1, 4, 2, 3, 5)
 
 
+def _next_step(cache: KVCache) -> None:
+    """A step that writes nothing: what was marked committed is sealed."""
+    cache.begin_step(torch.zeros(0, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+
+
 def test_blocks_open_on_first_write_and_read_back_exactly_until_sealed():
     cache = _cache()
     want = _fill(cache, [5, 2])
@@ -108,6 +113,10 @@ def test_blocks_open_on_first_write_and_read_back_exactly_until_sealed():
     assert torch.equal(k, want[1, 0]) and torch.equal(v, want[1, 1])  # open: unquantized
     ks, vs = cache.layers[1].gather_sealed(ids, torch.float32)  # what they will read as once sealed
     cache.end_step(torch.tensor([[5, 2]]), torch.tensor([2]))
+    _fill(cache, [5, 2])  # the same step again (a replay): a block is not sealed while it is written
+    assert cache.num_open_blocks == 2
+    cache.end_step(torch.tensor([[5, 2]]), torch.tensor([2]))
+    _next_step(cache)
     assert cache.num_open_blocks == 0 and int(cache.residual_slot[5]) == -1
     k2, v2 = cache.layers[1].gather_blocks(ids, torch.float32)
     assert torch.equal(k2, ks) and torch.equal(v2, vs)  # sealing is the on-the-fly quantization
@@ -119,6 +128,7 @@ def test_only_committed_blocks_seal_and_freed_blocks_give_their_slot_back():
     cache = _cache()
     _fill(cache, [1, 3])
     cache.end_step(torch.tensor([[1, 3]]), torch.tensor([1]))  # block 3 holds drafts: stays open
+    _next_step(cache)
     assert int(cache.residual_slot[1]) == -1 and int(cache.residual_slot[3]) >= 0
     cache.note_freed(3, False)  # rejected and freed: nothing to keep
     cache.swap([], [])  # every step forgets freed blocks
@@ -134,6 +144,7 @@ def test_swap_moves_sealed_bytes_and_open_blocks_unquantized():
     cache = _cache(host=4)
     _fill(cache, [0, 1], seed=1)
     cache.end_step(torch.tensor([[0, 1]]), torch.tensor([1]))  # block 0 sealed, block 1 open
+    _next_step(cache)
     ids = torch.tensor([0, 1])
     before = [layer.gather_blocks(ids, torch.float32) for layer in cache.layers]
     cache.swap([], [(0, 2), (1, 3)])
@@ -142,6 +153,7 @@ def test_swap_moves_sealed_bytes_and_open_blocks_unquantized():
     assert cache.num_open_blocks == 0 and set(cache.host_residual) == {3}
     _fill(cache, [4, 5], seed=9)  # the device blocks are reused meanwhile
     cache.end_step(torch.tensor([[4, 5]]), torch.tensor([2]))
+    _next_step(cache)
     cache.swap([(2, 6), (3, 7)], [])
     assert int(cache.residual_slot[6]) == -1 and int(cache.residual_slot[7]) >= 0
     for layer, (k, v) in zip(cache.layers, before):

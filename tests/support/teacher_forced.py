@@ -26,10 +26,9 @@ def teacher_forced_logprobs(engine, ids: list[int]) -> torch.Tensor:  # type: ig
     if kv.is_int4:  # open the blocks written (state changes are the runner's, once per step)
         kv.begin_step(meta.slot_mapping, table, torch.zeros(1, dtype=torch.int64))
     hidden = engine.model(torch.tensor(ids), torch.arange(n), kv.layers, meta, engine.runner.attn)
-    if kv.is_int4:  # seal the full blocks; the last, partial one gives its slot back at the next step
-        kv.end_step(table, torch.tensor([n // bs]))
-        if n % bs:
-            kv.note_freed(n // bs, False)
+    if kv.is_int4:  # the blocks are free again: their slots come back at the next step
+        for b in range(-(-n // bs)):
+            kv.note_freed(b, False)
     return torch.log_softmax(engine.model.compute_logits(hidden).float(), dim=-1)
 
 
