@@ -252,3 +252,13 @@ def test_disaggregation_refuses_int4():
         EngineConfig(cache=CacheConfig(kv_cache_dtype="int4"), kv_transfer=KVTransferConfig(role="prefill", backend="inproc"))
     with pytest.raises(NotImplementedError):
         KVLayout(3, 2, 16, torch.uint8, 4).chunk_shape(4)
+
+
+def test_an_engine_given_a_transport_refuses_int4(tiny_weights):
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.transfer.inproc import InprocHub, InprocTransport
+
+    layout = KVLayout(TINY.num_layers, TINY.num_kv_heads, TINY.head_dim, torch.uint8, 4)
+    cfg = EngineConfig(dtype="float32", device="cpu", cache=CacheConfig(num_blocks=32, block_size=4, kv_cache_dtype="int4"))
+    with pytest.raises(UnsupportedConfigError, match="int4"):
+        LLMEngine(cfg, model_config=TINY, weights=tiny_weights, kv_transport=InprocTransport(layout, InprocHub()))
