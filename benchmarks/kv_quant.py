@@ -1,7 +1,7 @@
 """Decode TPOT against context length for each KV-cache dtype, side by side in one run.
 
     .venv/bin/python benchmarks/kv_quant.py [--contexts 256,1024,2048,4096,8192] [--batches 1,16,64]
-        [--kv-dtypes bfloat16,int8,fp8_e4m3] [--steps 8] [--max-kv-gb 8] [--json results/kv_quant.json]
+        [--kv-dtypes bfloat16,int8,fp8_e4m3,int4] [--steps 8] [--max-kv-gb 8] [--json results/kv_quant.json]
 
 The real model (bundled SmolLM2-135M by default, bf16) is loaded once. For each kv dtype the script builds
 a KV cache of that dtype and a `ModelRunner` over the same model (attention chosen as the engine chooses
@@ -66,7 +66,11 @@ def fill_synthetic(cache: KVCache) -> None:
     g = torch.Generator().manual_seed(0)
     for layer in range(cache.data.shape[0]):
         d = cache.data[layer]
-        if d.dtype == torch.int8:
+        if d.dtype == torch.uint8:  # int4: packed pairs, any byte is valid
+            d.random_(0, 256, generator=g)
+            cache.k_qparams[layer].uniform_(0.001, 0.02, generator=g)
+            cache.v_qparams[layer].uniform_(0.001, 0.02, generator=g)
+        elif d.dtype == torch.int8:
             d.random_(-127, 128, generator=g)
         elif d.dtype == torch.float8_e4m3fn:
             d.view(torch.uint8).random_(0, 0x70, generator=g)  # finite positive e4m3 patterns only
@@ -124,7 +128,9 @@ def main() -> None:
         if not fits:
             continue
         num_blocks = max(b * -(-(c + args.steps + 1) // args.block_size) for b, c in fits)
-        cache = KVCache(layout, num_blocks, eng.device)
+        # int4: the blocks each point's steps write stay open (a few per sequence, never freed here)
+        residual = 2 * sum(b for b, _ in fits) + 8 if layout.is_int4 else 0
+        cache = KVCache(layout, num_blocks, eng.device, num_residual_slots=residual)
         fill_synthetic(cache)
         attn = make_attention(args.attention_backend, eng.dtype, eng.device, layout.kv_dtype)
         attn.warmup(cache.layers[0], cfg.num_heads)

@@ -56,7 +56,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     arg(g, "--block-size", CacheConfig, "block_size", type=int, help="tokens per KV block (default: 128 on a CPU, 16 on a GPU)")
     arg(g, "--kv-cache-memory-gb", CacheConfig, "kv_cache_memory_gb")
     arg(g, "--kv-cache-dtype", CacheConfig, "kv_cache_dtype", choices=KV_CACHE_DTYPES,
-        help="how K/V are stored: auto (the model's dtype), or quantized with a scale per token and kv head")
+        help="how K/V are stored: auto (the model's dtype), int8 / fp8_e4m3 with a scale per token and kv head, or int4 (KIVI)")
     g.add_argument("--no-prefix-caching", action="store_true")
     arg(g, "--num-threads", EngineConfig, "num_threads", type=int)
     arg(g, "--attention-backend", EngineConfig, "attention_backend", choices=("auto", *ATTENTION_BACKENDS))

@@ -86,16 +86,18 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
 
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8_e4m3", "int4")
 
 
-def default_block_size(device_type: str) -> int:
+def default_block_size(device_type: str, kv_cache_dtype: str = "auto") -> int:
     """Tokens per KV block when none is asked for: 128 on a CPU, 16 elsewhere. A CPU's decode attention
     reads every sequence's blocks scattered over gigabytes of cache; a 16-token block of one kv head is
     2 KiB (head_dim 64, bf16), too short for the hardware prefetchers, and 128-token blocks (16 KiB) ran
     the 200-request ShareGPT benchmark 6.5% faster (README, "Performance"). vLLM's CPU backend defaults
-    to 128 too; GPUs keep vLLM's 16 (finer prefix sharing, less padding)."""
-    return 128 if device_type == "cpu" else 16
+    to 128 too; GPUs keep vLLM's 16 (finer prefix sharing, less padding). An int4 cache keeps 16: each
+    running sequence holds up to two unquantized open blocks (docs/kv_quantization.md), and at 128
+    tokens that pool would outweigh what int4 saves."""
+    return 128 if device_type == "cpu" and kv_cache_dtype != "int4" else 16
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,8 +108,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     swap_space_gb: float = 4.0  # host-memory tier for swapped-out KV (only with preemption_mode "swap")
     # How K/V are stored (kv/quant.py): "auto" is the model's dtype; int8 and fp8_e4m3 keep one float32
-    # scale per token and kv head; int4 (keys per channel, values per token, the newest tokens kept
-    # unquantized until their block fills) is not implemented yet.
+    # scale per token and kv head; int4 (kv/int4.py, KIVI: keys per channel within a block, values per
+    # token, the newest tokens kept unquantized until their block fills; not with disaggregation yet).
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
@@ -338,6 +340,13 @@ class EngineConfig:
             raise ValueError(f"unknown weight dtype {self.weight_dtype!r}; choose from {list(WEIGHT_DTYPES)}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.cache.kv_cache_dtype == "int4" and self.kv_transfer.backend is not None:
+            from pdserve.errors import UnsupportedConfigError
+
+            raise UnsupportedConfigError(
+                "kv_cache_dtype int4 cannot be used with KV transfer (disaggregation) yet: moving open "
+                "int4 blocks between instances is not implemented; use int8 or an unquantized KV cache"
+            )
 
     @property
     def autotune_dir(self) -> str | None:

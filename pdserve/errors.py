@@ -17,3 +17,7 @@ class ModelLoadError(PdserveError):
 class SLORejectedError(PdserveError):
     """The `slo` policy (with `slo_reject`) refuses a request that it predicts would miss its TTFT target or
     push running requests past the ITL target; nothing was allocated. The server answers 503."""
+
+
+class UnsupportedConfigError(PdserveError, ValueError):
+    """A combination of options that pdserve does not support (yet), refused when the config is built."""

@@ -32,6 +32,12 @@ takes a microcode assist (reported ~3x on a decode step, bf16 included; to be re
 host). The flush is in the kernel rather than FTZ/DAZ in MXCSR, which is per thread (to be set and
 restored on every pool thread per call) and would change torch's own float math on those threads.
 
+An int4 cache (KIVI, kv/int4.py) decodes through `paged_decode_int4`, a portable loop that reads sealed
+blocks' packed 4-bit rows in place (dequantized per block into float, keys by channel, values by
+token) and open blocks from the residual pool; its writes and prefills are the torch reference's
+(the residual pool is unquantized, and the reference prefill reads what a decode would at every query
+position). Not timed by `autotune` (one candidate per phase).
+
 Under `--attention-backend auto` the engine calls `autotune`, which times each phase's C++ kernel
 against the reference's (decode: gather + bmm; prefill: SDPA) on the model's shapes and sets an
 `AttentionPlan` that `decode` and `prefill` consult per step.
@@ -135,12 +141,15 @@ class CpuPagedAttention(TorchAttention):
 
     def supports_kv_dtype(self, kv_dtype: str) -> bool:
         """The kernels read bf16 and float32 caches, and int8 / fp8 e4m3 ones in place (the storage dtype's
-        name as the engine resolves it); not float16 (no fp16 queries), where the engine uses the reference."""
-        return kv_dtype in ("bfloat16", "float32", "int8", "fp8_e4m3")
+        name as the engine resolves it), and int4 (decode in C++, writes and prefill the reference's); not
+        float16 (no fp16 queries), where the engine uses the reference."""
+        return kv_dtype in ("bfloat16", "float32", "int8", "fp8_e4m3", "int4")
 
     def kernel_paths(self, cache: LayerCache, num_heads: int) -> tuple[str, str, str | None]:
         """(decode path, prefill path, why either is not the fast one or None) for a model's cache (the
         fast paths of a quantized cache assume bf16 queries, as a model with such a cache runs)."""
+        if cache.is_int4:
+            return "C++ portable loop, int4 KV", "torch reference (int4)", "int4 has no AVX-512 kernels yet"
         k_cache = cache.k
         kvh, _, block_size, head_dim = k_cache.shape
         label = _FAST_CACHE_DTYPES.get(k_cache.dtype)
@@ -173,6 +182,11 @@ class CpuPagedAttention(TorchAttention):
     def decode(self, q: torch.Tensor, cache: LayerCache, g: DecodeGroup, scale: float) -> torch.Tensor:
         if self._plan.decode == "torch":
             return TorchAttention.decode(self, q, cache, g, scale)
+        if cache.is_int4:
+            return self._kernel.paged_decode_int4(
+                q, cache.k, cache.v, cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero,
+                cache.residual_k, cache.residual_v, cache.residual_slot, g.block_table, g.context_lens, scale,
+            )
         return self._decode_cpp(q, cache, g, scale)
 
     def _decode_cpp(self, q: torch.Tensor, cache: LayerCache, g: DecodeGroup, scale: float) -> torch.Tensor:
@@ -181,11 +195,14 @@ class CpuPagedAttention(TorchAttention):
         )
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, slots: torch.Tensor) -> None:
+        if cache.is_int4:
+            TorchAttention.write_kv(self, k, v, cache, slots)
+            return
         self._kernel.write_kv(k, v, cache.k, cache.v, slots, cache.k_scale, cache.v_scale)
 
     def prefill(self, q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
         m = meta
-        if m.prefill_block_table is not None and m.prefill_context_lens is not None:
+        if not cache.is_int4 and m.prefill_block_table is not None and m.prefill_context_lens is not None:
             assert m.prefill_query_starts is not None and m.prefill_query_lens is not None
             longest = max(p.query_len for p in m.prefills)
             if self._plan.prefill_kernel(longest) == "cpp" and self._kernel.paged_prefill(
@@ -214,9 +231,10 @@ class CpuPagedAttention(TorchAttention):
         so a sequence's result does not depend on what else is in the step, while the reference's decode
         pads to the group's longest context and a per-length prefill choice would switch kernels with the
         step's longest chunk."""
-        if batch_invariant:
+        if batch_invariant or cache.is_int4:
             self.plan = AttentionPlan()
-            logger.info("attention cpu-paged: C++ decode and prefill at every size (batch-invariant)")
+            logger.info("attention cpu-paged: C++ decode and prefill at every size (%s)",
+                        "int4: not timed" if cache.is_int4 else "batch-invariant")
             return
         key = self._tune_key(cache, num_heads, dtype)
         paths = {k: autotune.cache_path(cache_dir, f"attention-{k}", key) if cache_dir else None for k in ("decode", "prefill")}

@@ -53,6 +53,10 @@ class CompiledTorchAttention(TorchAttention):
     def __init__(self) -> None:
         self._decode = torch.compile(_paged_decode, dynamic=True)
 
+    def supports_kv_dtype(self, kv_dtype: str) -> bool:
+        """Not int4: its compiled decode reads per-token-scaled rows only (the reference reads int4)."""
+        return kv_dtype != "int4"
+
     def warmup(self, cache: LayerCache, num_heads: int) -> None:
         k_cache = cache.k
         kvh, num_blocks, block_size, d = k_cache.shape

@@ -10,6 +10,11 @@ through `LayerCache.gather_blocks` (dequantized to the model's dtype on the way 
 the oracle the quantized kernels are checked against. Every read of a quantized cache sees the stored
 values, a prompt's own fresh K/V included (read back after the write, as vLLM's fp8 path and our
 kernels do), so prefix caching, chunking and disaggregation do not change what attention sees.
+
+int4 (kv/int4.py, kv/cache.py) reads what a decode would at every query position: the blocks before
+the query's own as sealed (`LayerCache.gather_sealed`: open ones quantized on the fly) and its own
+block unquantized, as one SDPA over both versions of the context with a mask choosing per query. So
+a prompt in one prefill, in chunks, from the prefix cache or token by token attends to the same values.
 """
 
 from __future__ import annotations
@@ -51,6 +56,9 @@ class TorchAttention:
 
     def prefill(self, q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
         """Attention of every prefill chunk, into its rows of `out` (K/V already in the cache)."""
+        if cache.is_int4:
+            self._prefill_int4(q, cache, meta, scale, out)
+            return
         kvh, _, bs, d = cache.k.shape
         for j, p in enumerate(meta.prefills):
             s, e = p.query_start, p.query_start + p.query_len
@@ -73,11 +81,33 @@ class TorchAttention:
                 o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=True)
             out[s:e] = o.squeeze(0).transpose(0, 1)
 
+    def _prefill_int4(self, q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+        """int4 prefill chunks: each query attends to the blocks before its own as sealed and to its own
+        block's tokens up to itself unquantized (keys = both versions of the context, side by side)."""
+        assert meta.prefill_block_table is not None
+        kvh, bs, d = cache.k.shape[0], cache.k.shape[2], cache.head_dim
+        for j, p in enumerate(meta.prefills):
+            s, e = p.query_start, p.query_start + p.query_len
+            nb = -(-p.context_len // bs)
+            blocks = meta.prefill_block_table[j, :nb].to(q.device)
+            ks, vs = cache.gather_sealed(blocks, q.dtype)
+            ko, vo = cache.gather_blocks(blocks, q.dtype)
+            keys = torch.cat([ks.reshape(kvh, -1, d), ko.reshape(kvh, -1, d)], dim=1).unsqueeze(0)
+            values = torch.cat([vs.reshape(kvh, -1, d), vo.reshape(kvh, -1, d)], dim=1).unsqueeze(0)
+            q_pos = torch.arange(p.context_len - p.query_len, p.context_len).unsqueeze(1)
+            k_pos = torch.arange(nb * bs).unsqueeze(0)
+            before = k_pos // bs < q_pos // bs
+            own = (k_pos // bs == q_pos // bs) & (k_pos <= q_pos)
+            mask = torch.cat([before, own], dim=1).to(q.device)
+            qp = q[s:e].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+            out[s:e] = o.squeeze(0).transpose(0, 1)
+
     def warmup(self, cache: LayerCache, num_heads: int) -> None:
         pass
 
     def decode(self, q: torch.Tensor, cache: LayerCache, g: DecodeGroup, scale: float) -> torch.Tensor:
-        kvh, _, _, d = cache.k.shape
+        kvh, d = cache.k.shape[0], cache.head_dim
         kb, vb = cache.gather_blocks(g.block_table.reshape(-1), q.dtype)
         kd = kb.view(kvh, g.num_seqs, -1, d)  # [KVH, B, S, D]
         vd = vb.view(kvh, g.num_seqs, -1, d)

@@ -53,7 +53,8 @@ class LLM:
     ) -> None:
         """`model` is a .gguf file or a Hugging Face directory (None: the bundled SmolLM2-135M-Instruct).
         `model_config` + `weights` (+ `tokenizer`) build an engine from in-memory weights instead (tests).
-        `kv_cache_dtype`: how K/V are stored ("auto" = the model's dtype; "int8", "fp8_e4m3" quantized).
+        `kv_cache_dtype`: how K/V are stored ("auto" = the model's dtype; "int8", "fp8_e4m3" quantized;
+            "int4": KIVI, docs/kv_quantization.md).
         `speculative_config`: speculative decoding in vLLM's convention (see `SpeculativeConfig`);
         `draft_model_config` + `draft_weights`: its "draft" method's model from memory (tests).
         `weight_dtype="int8"`: the projections and output head quantized per output channel (CPU, bf16

@@ -11,7 +11,7 @@ import time
 import torch
 
 from pdserve.attention.base import AttentionBackend, get_attention_backend
-from pdserve.config import EngineConfig, ModelConfig, SpeculativeConfig, default_block_size
+from pdserve.config import EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, default_block_size
 from pdserve.transfer.connector import KVConnector
 from pdserve.engine.loop import EngineLoop, StepRecord
 from pdserve.kv.block_manager import BlockManager, HostBlockPool
@@ -57,6 +57,15 @@ def make_attention(name: str, dtype: torch.dtype, device: torch.device, kv_dtype
         )
         attn = get_attention_backend("torch")
     return attn
+
+
+def int4_residual_slots(sc: SchedulerConfig, block_size: int, spec: SpeculativeConfig | None) -> int:
+    """How many blocks an int4 cache can have open at once: each live request's last, partly filled
+    block, plus the blocks one step writes (a step's tokens fill at most ceil(tokens / block_size) of
+    them, and each request's chunk may straddle one more boundary), plus the blocks draft tokens reach
+    before they are accepted, plus a few."""
+    drafts = -(-spec.num_speculative_tokens // block_size) if spec is not None else 0
+    return sc.max_num_seqs * (2 + drafts) + -(-sc.max_num_batched_tokens // block_size) + 4
 
 
 def _num_params(model: torch.nn.Module) -> int:
@@ -121,10 +130,15 @@ class LLMEngine(EngineLoop):
         cc = config.cache
         # kv/cache.py owns the layout; a quantized dtype's blocks are smaller (scales included), so the
         # same memory holds more of them.
-        self.block_size = cc.block_size or default_block_size(self.device.type)
+        self.block_size = cc.block_size or default_block_size(self.device.type, cc.kv_cache_dtype)
         self.kv_layout = KVLayout.for_model(model_config, self.block_size, cc.kv_cache_dtype, self.dtype)
         block_bytes = self.kv_layout.block_bytes
-        num_blocks = cc.num_blocks or max(1, int(cc.kv_cache_memory_gb * (1 << 30)) // block_bytes)
+        budget = int(cc.kv_cache_memory_gb * (1 << 30))
+        num_residual_slots = 0
+        if self.kv_layout.is_int4:  # open blocks live unquantized in a pool paid for from the same budget
+            num_residual_slots = int4_residual_slots(sc, self.block_size, config.speculative)
+            budget -= num_residual_slots * self.kv_layout.residual_slot_bytes
+        num_blocks = cc.num_blocks or max(1, budget // block_bytes)
         # A sequence can never outgrow the whole KV cache (it would preempt itself forever): cap it there.
         self.max_model_len = min(self.max_model_len, num_blocks * self.block_size)
         num_host_blocks = 0
@@ -132,8 +146,10 @@ class LLMEngine(EngineLoop):
             num_host_blocks = int(cc.swap_space_gb * (1 << 30)) // block_bytes
             if num_host_blocks < 1:
                 raise ValueError('preemption_mode "swap" needs swap_space_gb large enough for one KV block')
-        self.kv_cache = KVCache(self.kv_layout, num_blocks, self.device, num_host_blocks)
+        self.kv_cache = KVCache(self.kv_layout, num_blocks, self.device, num_host_blocks, num_residual_slots)
         block_manager = BlockManager(num_blocks, self.block_size, cc.enable_prefix_caching)
+        if self.kv_layout.is_int4:
+            block_manager.on_free = self.kv_cache.note_freed
         host_pool = HostBlockPool(num_host_blocks) if num_host_blocks else None
         scheduler = Scheduler(sc, block_manager, make_policy(sc.policy, sc), host_pool)
         attn = self._make_attention(config.attention_backend, self.kv_layout.kv_dtype)
@@ -272,6 +288,10 @@ class LLMEngine(EngineLoop):
         kc = self.config.kv_transfer
         if transport is None and kc.backend is None:
             return None
+        if self.kv_layout.is_int4:  # (config validation refuses a backend; this is a transport passed in)
+            from pdserve.errors import UnsupportedConfigError
+
+            raise UnsupportedConfigError("kv_cache_dtype int4 cannot be used with KV transfer (disaggregation) yet")
         if transport is None:
             layout = self.kv_layout
             cls = transport_class(kc.backend)  # type: ignore[arg-type]

@@ -22,7 +22,7 @@ import hashlib
 import heapq
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pdserve.request import Request
 
@@ -59,6 +59,9 @@ class BlockManager:
         self._req_hashes: dict[str, list[BlockHash]] = {}  # req_id -> hashes of its full, computed blocks
         self.num_prefix_hit_tokens = 0
         self.num_prefix_queried_tokens = 0
+        # Told of every block that becomes free, and whether it stays cached (hashed): an int4 KV cache
+        # (`KVCache.note_freed`) keeps state per block that must follow its life. None: nobody listens.
+        self.on_free: Callable[[int, bool], None] | None = None
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -172,6 +175,8 @@ class BlockManager:
                     heapq.heappush(self._free_uncached, b)
                 else:
                     self._free_cached[b] = None
+                if self.on_free is not None:
+                    self.on_free(b, self.block_hashes[b] is not None)
 
     def truncate(self, req: Request, num_tokens: int) -> None:
         """Shrink `req`'s block table to the blocks `num_tokens` tokens need, freeing the rest: the slots

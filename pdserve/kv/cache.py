@@ -13,16 +13,30 @@ batched matmuls consume without another copy (measured: the copy cost as much as
 
 What else touches the layout goes through here: `write` (the reference write, quantizing on the way in),
 `LayerCache.gather_blocks` (the reference read, dequantizing on the way out), `KVCache.gather_tokens` /
-`scatter_tokens` (a transfer's payload, values and scales together) and `KVCache.swap`."""
+`scatter_tokens` (a transfer's payload, values and scales together) and `KVCache.swap`.
+
+int4 (`--kv-cache-dtype int4`, the KIVI layout, kv/int4.py) is the one layout with state: a block is
+*open* while it fills (its K/V live unquantized in a small residual pool, `residual`
+`[num_layers, 2, num_kv_heads, num_residual_slots, block_size, head_dim]` in the model's dtype, with
+`residual_slot[block]` naming its slot) and *sealed* once every token in it is committed (packed 4-bit
+`data` `[..., block_size, head_dim / 2]` uint8, keys with a float16 scale and zero per channel
+`k_qparams` `[num_layers, 2 (scale, zero), num_kv_heads, num_blocks, head_dim]`, values per token
+`v_qparams` `[..., num_blocks, block_size]`). The runner drives the state once per step
+(`begin_step`: forget freed blocks, seal the committed ones nobody writes now, open those written for
+the first time; `end_step`: note the blocks this step filled with committed tokens), the block manager reports frees
+(`note_freed`), and every read sees what a decode would: a query attends to the blocks before its own
+as sealed (dequantized, or an open block quantized on the fly by the same function) and to its own
+block unquantized, so chunking, prefix caching, speculation and preemption do not change the output."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from pdserve.memory import zeros_huge_pages
 from pdserve.config import ModelConfig
+from pdserve.kv import int4
 from pdserve.kv.quant import QUANT_DTYPES, dequantize, quantize
 
 # `--kv-cache-dtype` names of the unquantized storage dtypes ("auto" resolves to the model's dtype).
@@ -40,6 +54,8 @@ def storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
         return model_dtype
     if kv_cache_dtype in QUANT_DTYPES:
         return QUANT_DTYPES[kv_cache_dtype][0]
+    if kv_cache_dtype == "int4":
+        return int4.STORAGE_DTYPE
     return _PLAIN_DTYPES[kv_cache_dtype]
 
 
@@ -48,6 +64,8 @@ def kv_dtype_name(dtype: torch.dtype) -> str:
     for name, (quant_dtype, _) in QUANT_DTYPES.items():
         if quant_dtype == dtype:
             return name
+    if dtype == int4.STORAGE_DTYPE:
+        return "int4"
     return str(dtype).removeprefix("torch.")
 
 
@@ -55,13 +73,15 @@ def kv_dtype_name(dtype: torch.dtype) -> str:
 class KVLayout:
     """How K/V sit in memory: what a cache allocates and what both ends of a transfer must agree on.
     `dtype` is the storage dtype; the kv dtype name and the scale layout follow from it (int8 and fp8
-    carry one float32 scale per token and kv head, the others none)."""
+    carry one float32 scale per token and kv head, int4 float16 scales and zeros per key channel and per
+    value token, the others none). `residual_dtype`: what int4's open blocks are kept in (the model's)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
     block_size: int = 16
+    residual_dtype: torch.dtype = field(default=torch.bfloat16, compare=False)  # int4 only
 
     @classmethod
     def for_model(
@@ -69,7 +89,7 @@ class KVLayout:
     ) -> KVLayout:
         """The layout of `cfg`'s cache stored as `kv_cache_dtype` ("auto": `model_dtype`)."""
         dtype = storage_dtype(kv_cache_dtype, model_dtype)
-        return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, block_size)
+        return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, block_size, model_dtype)
 
     @property
     def kv_dtype(self) -> str:
@@ -81,8 +101,15 @@ class KVLayout:
         return self.kv_dtype in QUANT_DTYPES
 
     @property
+    def is_int4(self) -> bool:
+        return self.dtype == int4.STORAGE_DTYPE
+
+    @property
     def scales(self) -> str:
-        """The scale layout: "per-token-head" (float32, one per token and kv head) or "none"."""
+        """The scale layout: "per-token-head" (float32, one per token and kv head), int4's
+        "per-channel-keys/per-token-values" (float16 scale and zero) or "none"."""
+        if self.is_int4:
+            return "per-channel-keys/per-token-values"
         return "per-token-head" if self.quantized else "none"
 
     @property
@@ -97,7 +124,18 @@ class KVLayout:
 
     @property
     def block_bytes(self) -> int:
+        """One block of every layer, scales included (int4: what a sealed block takes)."""
+        if self.is_int4:
+            bs, d, s = self.block_size, self.head_dim, int4.SCALE_DTYPE.itemsize
+            # packed K and V (half a byte each), K's scale and zero per channel, V's per token
+            per_head = bs * d + 2 * d * s + 2 * bs * s
+            return self.num_layers * self.num_kv_heads * per_head
         return self.block_size * self.bytes_per_token
+
+    @property
+    def residual_slot_bytes(self) -> int:
+        """int4: one open block of every layer, unquantized (a slot of the residual pool)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * self.residual_dtype.itemsize
 
     # A transfer's payload for one layer and n tokens: `[2, kv_heads, n, head_dim]` in the storage dtype,
     # or for a quantized layout `[2, kv_heads, n, token_row_bytes]` uint8 (each row: the values' bytes,
@@ -107,6 +145,8 @@ class KVLayout:
         return torch.uint8 if self.quantized else self.dtype
 
     def chunk_shape(self, num_tokens: int) -> tuple[int, int, int, int]:
+        if self.is_int4:
+            raise NotImplementedError("moving an int4 KV cache between instances is not implemented yet")
         last = self.token_row_bytes if self.quantized else self.head_dim
         return (2, self.num_kv_heads, num_tokens, last)
 
@@ -126,25 +166,47 @@ class LayerCache:
     """One layer's paged K/V as the attention backends see it: `k`, `v` are
     `[num_kv_heads, num_blocks, block_size, head_dim]` in the storage dtype; a quantized cache also has
     `k_scale`, `v_scale` `[num_kv_heads, num_blocks, block_size]` float32 (one scale per token and kv head;
-    the stored value times its scale is the real one). None for an unquantized cache."""
+    the stored value times its scale is the real one). None for an unquantized cache.
+
+    int4 (the module docstring): `k`, `v` are packed `[num_kv_heads, num_blocks, block_size, head_dim / 2]`
+    uint8; `k_scale`, `k_zero` `[num_kv_heads, num_blocks, head_dim]` and `v_scale`, `v_zero`
+    `[num_kv_heads, num_blocks, block_size]` float16; `residual_k`, `residual_v`
+    `[num_kv_heads, num_residual_slots, block_size, head_dim]` hold open blocks, `residual_slot` `[num_blocks]`
+    int32 names a block's slot (-1: sealed). These five are None for every other dtype."""
 
     k: torch.Tensor
     v: torch.Tensor
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    k_zero: torch.Tensor | None = None
+    v_zero: torch.Tensor | None = None
+    residual_k: torch.Tensor | None = None
+    residual_v: torch.Tensor | None = None
+    residual_slot: torch.Tensor | None = None
 
     @property
     def quantized(self) -> bool:
         return self.k_scale is not None
 
     @property
+    def is_int4(self) -> bool:
+        return self.residual_slot is not None
+
+    @property
     def kv_dtype(self) -> str:
-        return kv_dtype_name(self.k.dtype)
+        return "int4" if self.is_int4 else kv_dtype_name(self.k.dtype)
+
+    @property
+    def head_dim(self) -> int:
+        return self.residual_k.shape[-1] if self.residual_k is not None else self.k.shape[-1]
 
     def gather_blocks(self, block_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `block_ids` (any shape, flattened), `[num_kv_heads, n, block_size, head_dim]` each, in
         `dtype`: dequantized when the cache is quantized (the reference read the kernels are checked
-        against), a cast when the storage dtype differs, the gather itself otherwise."""
+        against), a cast when the storage dtype differs, the gather itself otherwise. int4: sealed
+        blocks dequantized, open ones as they are in the residual pool (what a decode reads)."""
+        if self.is_int4:
+            return self._gather_int4(block_ids.reshape(-1), dtype, as_sealed=False)
         k = self.k.index_select(1, block_ids)
         v = self.v.index_select(1, block_ids)
         if self.k_scale is not None and self.v_scale is not None:
@@ -154,10 +216,39 @@ class LayerCache:
             k, v = k.to(dtype), v.to(dtype)
         return k, v
 
+    def gather_sealed(self, block_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """int4: K and V of `block_ids` as they read once sealed: open blocks quantized on the fly by the
+        function sealing uses (a prefill's queries see the blocks before their own this way)."""
+        return self._gather_int4(block_ids.reshape(-1), dtype, as_sealed=True)
+
+    def _gather_int4(self, ids: torch.Tensor, dtype: torch.dtype, as_sealed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.k_scale is not None and self.v_scale is not None and self.k_zero is not None
+        assert self.v_zero is not None and self.residual_k is not None and self.residual_v is not None
+        assert self.residual_slot is not None
+        k = int4.dequantize_keys(self.k.index_select(1, ids), self.k_scale.index_select(1, ids),
+                                 self.k_zero.index_select(1, ids), dtype)
+        v = int4.dequantize_values(self.v.index_select(1, ids), self.v_scale.index_select(1, ids),
+                                   self.v_zero.index_select(1, ids), dtype)
+        slot = self.residual_slot.index_select(0, ids).long()
+        is_open = (slot >= 0).view(1, -1, 1, 1)
+        rk = self.residual_k.index_select(1, slot.clamp(min=0))
+        rv = self.residual_v.index_select(1, slot.clamp(min=0))
+        if as_sealed:
+            rk, rv = int4.fake_quantize(rk, rv, dtype)
+        return torch.where(is_open, rk.to(dtype), k), torch.where(is_open, rv.to(dtype), v)
+
 
 def write(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
     """The reference write: k, v `[T, num_kv_heads, head_dim]` into the layer's cache at `slots`
-    (block * block_size + offset), quantized on the way in for a quantized cache (kv/quant.py)."""
+    (block * block_size + offset), quantized on the way in for a quantized cache (kv/quant.py); for int4
+    into the residual pool, unquantized (a block is quantized when it is sealed)."""
+    if cache.residual_slot is not None:  # int4: into the open blocks' residual slots (begin_step opened them)
+        assert cache.residual_k is not None and cache.residual_v is not None
+        kvh, _, bs, d = cache.residual_k.shape
+        rows = cache.residual_slot.index_select(0, slots // bs).long() * bs + slots % bs
+        cache.residual_k.view(kvh, -1, d).index_copy_(1, rows, k.transpose(0, 1).to(cache.residual_k.dtype))
+        cache.residual_v.view(kvh, -1, d).index_copy_(1, rows, v.transpose(0, 1).to(cache.residual_v.dtype))
+        return
     kvh, _, _, d = cache.k.shape
     k, v = k.transpose(0, 1), v.transpose(0, 1)  # [KVH, T, D]
     if cache.k_scale is not None and cache.v_scale is not None:
@@ -171,24 +262,28 @@ def write(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tens
 
 
 class KVCache:
-    def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device, num_host_blocks: int = 0) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_blocks: int,
+        device: torch.device,
+        num_host_blocks: int = 0,
+        num_residual_slots: int = 0,
+    ) -> None:
         """`num_host_blocks` > 0 adds the host tier that swapped-out requests' blocks are copied to (in
-        pinned memory when the cache is on a GPU, so the copies run at full PCIe speed)."""
+        pinned memory when the cache is on a GPU, so the copies run at full PCIe speed).
+        `num_residual_slots`: int4 only, how many blocks can be open at once (`int4_residual_slots`)."""
         self.layout = layout
         self.num_blocks = num_blocks
         self.block_size = layout.block_size
         self.device = device
         lay = layout
-        shape = (lay.num_layers, 2, lay.num_kv_heads, num_blocks, lay.block_size, lay.head_dim)
+        d = lay.head_dim // 2 if lay.is_int4 else lay.head_dim
+        shape = (lay.num_layers, 2, lay.num_kv_heads, num_blocks, lay.block_size, d)
         self.data = zeros_huge_pages(shape, lay.dtype, device)
         self.scales: torch.Tensor | None = None
         if lay.quantized:
             self.scales = zeros_huge_pages(shape[:-1], torch.float32, device)
-        scales = self.scales
-        self.layers: list[LayerCache] = [
-            LayerCache(self.data[i, 0], self.data[i, 1], *((scales[i, 0], scales[i, 1]) if scales is not None else ()))
-            for i in range(lay.num_layers)
-        ]
         self._pinned = device.type == "cuda"
         self.host: torch.Tensor | None = None
         self.host_scales: torch.Tensor | None = None
@@ -198,11 +293,134 @@ class KVCache:
             self.host = torch.empty(host_shape, dtype=lay.dtype, pin_memory=self._pinned)
             if self.scales is not None:
                 self.host_scales = torch.empty(host_shape[:-1], dtype=torch.float32, pin_memory=self._pinned)
+        if lay.is_int4:
+            self._init_int4(num_residual_slots, num_host_blocks)
+            self.layers = [self._int4_layer(i) for i in range(lay.num_layers)]
+            return
+        scales = self.scales
+        self.layers: list[LayerCache] = [
+            LayerCache(self.data[i, 0], self.data[i, 1], *((scales[i, 0], scales[i, 1]) if scales is not None else ()))
+            for i in range(lay.num_layers)
+        ]
+
+    @property
+    def is_int4(self) -> bool:
+        return self.layout.is_int4
 
     @property
     def nbytes(self) -> int:
-        scales = self.scales.numel() * self.scales.element_size() if self.scales is not None else 0
-        return self.data.numel() * self.data.element_size() + scales
+        tensors = [self.data, self.scales, *((self.k_qparams, self.v_qparams, self.residual) if self.is_int4 else ())]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    # ---- int4: open and sealed blocks, driven by the runner once per step -----------------------------
+    def _init_int4(self, num_residual_slots: int, num_host_blocks: int) -> None:
+        lay, nb, dev = self.layout, self.num_blocks, self.device
+        if num_residual_slots < 1:
+            raise ValueError("an int4 KV cache needs residual slots for its open blocks")
+        head = (lay.num_layers, 2, lay.num_kv_heads)  # dim 1: K/V for data, (scale, zero) for qparams
+        self.k_qparams = torch.zeros((*head, nb, lay.head_dim), dtype=int4.SCALE_DTYPE, device=dev)
+        self.v_qparams = torch.zeros((*head, nb, lay.block_size), dtype=int4.SCALE_DTYPE, device=dev)
+        self.residual = torch.zeros(
+            (*head, num_residual_slots, lay.block_size, lay.head_dim), dtype=lay.residual_dtype, device=dev
+        )
+        self.residual_slot = torch.full((nb,), -1, dtype=torch.int32, device=dev)
+        self._sealable = torch.zeros(nb, dtype=torch.bool, device=dev)  # open, every token committed
+        self._free_slots = list(range(num_residual_slots - 1, -1, -1))  # pop() hands out the lowest first
+        self._freed: dict[int, bool] = {}  # blocks freed since the last step -> whether they stay cached
+        self.host_k_qparams: torch.Tensor | None = None
+        self.host_v_qparams: torch.Tensor | None = None
+        # Open blocks of swapped-out requests, by host block: their unquantized K/V `[L, 2, KVH, BS, D]`.
+        self.host_residual: dict[int, torch.Tensor] = {}
+        if num_host_blocks:
+            self.host_k_qparams = torch.empty((*head, num_host_blocks, lay.head_dim), dtype=int4.SCALE_DTYPE)
+            self.host_v_qparams = torch.empty((*head, num_host_blocks, lay.block_size), dtype=int4.SCALE_DTYPE)
+
+    def _int4_layer(self, i: int) -> LayerCache:
+        kq, vq = self.k_qparams[i], self.v_qparams[i]
+        return LayerCache(
+            self.data[i, 0], self.data[i, 1], kq[0], vq[0], kq[1], vq[1],
+            self.residual[i, 0], self.residual[i, 1], self.residual_slot,
+        )
+
+    @property
+    def num_open_blocks(self) -> int:
+        return int(self.residual.shape[3]) - len(self._free_slots) if self.is_int4 else 0
+
+    def note_freed(self, block: int, cached: bool) -> None:
+        """The block manager freed `block` (`cached`: it stays findable by its hash, so it is full of
+        committed tokens). Remembered until the next step or swap: the block's content may still be
+        copied to the host tier before then."""
+        self._freed[block] = cached
+
+    def begin_step(self, slot_mapping: torch.Tensor, block_table: torch.Tensor, num_committed_blocks: torch.Tensor) -> None:
+        """int4, before a step's forward: forget freed blocks (a cached one is sealed, the others give
+        their slot back); seal every open block known to hold only committed tokens (marked by the last
+        `end_step`, or among each request's first `num_committed_blocks[i]` of `block_table[i]`: blocks
+        drafts filled and that have since been accepted) unless this step writes it; open every block
+        `slot_mapping` writes to for the first time. Every layer then finds each block it reads either
+        sealed or open. A block is never sealed in the step that writes it, so running a step again (the
+        engine replays a failed step request by request) rewrites open blocks only."""
+        self._forget_freed()
+        written = torch.unique(slot_mapping.to(self.device) // self.block_size)
+        self._mark_committed(block_table, num_committed_blocks)
+        self._sealable[written] = False
+        self._seal(self._sealable.nonzero().squeeze(1))
+        fresh = written[self.residual_slot.index_select(0, written) < 0]
+        self._open(fresh.tolist())
+
+    def end_step(self, block_table: torch.Tensor, num_committed_blocks: torch.Tensor) -> None:
+        """int4, after a step's forward: the open blocks among each request's first
+        `num_committed_blocks[i]` hold only committed tokens (draft tokens are not, until accepted); the
+        next step seals them, all layers in one batched quantization."""
+        self._mark_committed(block_table, num_committed_blocks)
+
+    def _mark_committed(self, block_table: torch.Tensor, num_committed_blocks: torch.Tensor) -> None:
+        cols = torch.arange(block_table.shape[1])
+        candidates = block_table[cols < num_committed_blocks.unsqueeze(1)].to(self.device)
+        self._sealable[candidates[self.residual_slot.index_select(0, candidates) >= 0]] = True
+
+    def _forget_freed(self) -> None:
+        if not self._freed:
+            return
+        blocks = torch.tensor(list(self._freed), dtype=torch.int64, device=self.device)
+        cached = torch.tensor(list(self._freed.values()), dtype=torch.bool, device=self.device)
+        self._freed.clear()
+        is_open = self.residual_slot.index_select(0, blocks) >= 0
+        self._seal(blocks[is_open & cached])
+        self._release(blocks[is_open & ~cached])
+
+    def _open(self, blocks: list[int]) -> None:
+        if not blocks:
+            return
+        if len(blocks) > len(self._free_slots):
+            raise RuntimeError(
+                f"int4 KV cache: {len(blocks)} blocks to open but only {len(self._free_slots)} residual slots free "
+                f"({self.residual.shape[3]} in all); a bug in the slot accounting (int4_residual_slots)"
+            )
+        slots = [self._free_slots.pop() for _ in blocks]
+        self.residual_slot[torch.tensor(blocks, device=self.device)] = torch.tensor(
+            slots, dtype=torch.int32, device=self.device
+        )
+
+    def _release(self, blocks: torch.Tensor) -> None:
+        if blocks.numel() == 0:
+            return
+        self._free_slots.extend(self.residual_slot.index_select(0, blocks).tolist())
+        self.residual_slot[blocks] = -1
+        self._sealable[blocks] = False
+
+    def _seal(self, blocks: torch.Tensor) -> None:
+        """Quantize open `blocks` (int64 tensor) of every layer from their residual slots, then free the slots."""
+        if blocks.numel() == 0:
+            return
+        slots = self.residual_slot.index_select(0, blocks).long()
+        res = self.residual.index_select(3, slots)  # [L, 2, KVH, n, BS, D]
+        for j, (packed, scale, zero) in enumerate((int4.quantize_keys(res[:, 0]), int4.quantize_values(res[:, 1]))):
+            self.data[:, j].index_copy_(2, blocks, packed)
+            qparams = self.k_qparams if j == 0 else self.v_qparams
+            qparams[:, 0].index_copy_(2, blocks, scale)
+            qparams[:, 1].index_copy_(2, blocks, zero)
+        self._release(blocks)
 
     # ---- transfer: one layer's tokens by slot, values and scales in one payload ---------------------
     def gather_tokens(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
@@ -240,14 +458,46 @@ class KVCache:
     def swap(self, swap_in: list[tuple[int, int]], swap_out: list[tuple[int, int]]) -> None:
         """Copy blocks host -> device for `swap_in` ((host, device) pairs), then device -> host for
         `swap_out` ((device, host) pairs): in that order, because a block may be read by one and
-        reused by the other in the same step. One gather and one scatter per direction and tensor."""
+        reused by the other in the same step. One gather and one scatter per direction and tensor.
+        int4: sealed blocks move as bytes; an open block's unquantized K/V go with it and it is open
+        again after a swap-in. Freed blocks are forgotten here too (this runs every step)."""
+        if not self.is_int4:
+            self._swap_blocks(swap_in, swap_out, [(self.data, self.host), (self.scales, self.host_scales)])
+            return
+        # The order matters: a host block that swap_in reads may be reused by swap_out; a device block
+        # swapped out was freed this step, and is forgotten only once its open K/V are copied.
+        incoming = {dev: self.host_residual.pop(host) for host, dev in swap_in if host in self.host_residual}
+        for dev, host in swap_out:
+            slot = int(self.residual_slot[dev])
+            if slot >= 0:
+                self.host_residual[host] = self.residual[:, :, :, slot].cpu().clone()
+            else:
+                self.host_residual.pop(host, None)
+        self._forget_freed()
+        self._swap_blocks(swap_in, swap_out, [
+            (self.data, self.host), (self.k_qparams, self.host_k_qparams), (self.v_qparams, self.host_v_qparams)
+        ])
+        for _, dev in swap_in:
+            is_open = int(self.residual_slot[dev]) >= 0
+            if dev in incoming:
+                if not is_open:
+                    self._open([dev])
+                self.residual[:, :, :, int(self.residual_slot[dev])] = incoming[dev].to(self.device)
+            elif is_open:
+                self._release(torch.tensor([dev], device=self.device))
+
+    def _swap_blocks(
+        self,
+        swap_in: list[tuple[int, int]],
+        swap_out: list[tuple[int, int]],
+        tensors: list[tuple[torch.Tensor | None, torch.Tensor | None]],
+    ) -> None:
+        """Move blocks (dim 3 of every tensor) between each device tensor and its host twin."""
         if not (swap_in or swap_out):
             return
         assert self.host is not None, "this cache has no host tier"
-        pairs = [(self.data, self.host)]
-        if self.scales is not None:
-            assert self.host_scales is not None
-            pairs.append((self.scales, self.host_scales))
+        pairs = [(d, h) for d, h in tensors if d is not None]
+        assert all(h is not None for _, h in pairs)
         if swap_in:
             src, dst = _index(swap_in)
             for device_t, host_t in pairs:

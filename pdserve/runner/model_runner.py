@@ -67,8 +67,7 @@ class ModelRunner:
         batch = out.to_batch()
         # Decodes first, by context length (so similar lengths share a padded attention group).
         scheduled = sorted(batch.requests, key=_layout_key)
-        input_ids, positions, meta, last_index = self._prepare(scheduled)
-        hidden = self.model(input_ids, positions, self.kv_cache.layers, meta, self.attn, after_layer)
+        hidden, last_index = self._forward(scheduled, after_layer)
 
         # Sampling rows in scheduler order, so the scheduler can zip them with its own list.
         flat_pos = {id(r): last_index[j] for j, r in enumerate(scheduled)}
@@ -109,8 +108,7 @@ class ModelRunner:
         assert len(num_scored) == len(requests)
         order = sorted(range(len(requests)), key=lambda i: _layout_key(requests[i]))
         scheduled = [requests[i] for i in order]
-        input_ids, positions, meta, last_index = self._prepare(scheduled)
-        hidden = self.model(input_ids, positions, self.kv_cache.layers, meta, self.attn)
+        hidden, last_index = self._forward(scheduled)
         if not any(num_scored):  # a prompt prefill: only the cache is wanted
             return [hidden.new_empty(0, self.vocab_size, dtype=torch.float32) for _ in requests]
         rows = torch.cat([
@@ -119,6 +117,25 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, rows.to(self.device)))
         pieces = dict(zip(order, logits.split([num_scored[i] for i in order])))
         return [pieces[i] for i in range(len(requests))]
+
+    def _forward(
+        self, scheduled: list[BatchRequest], after_layer: Callable[[int], None] | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
+        """The model over a laid-out step. An int4 cache's blocks change state around it, once per step
+        for all layers (kv/cache.py): before, blocks holding only committed tokens are sealed and the
+        blocks written for the first time opened; after, the blocks this step filled with committed
+        tokens (not drafts, which are committed only once accepted) are noted, for the next step to seal."""
+        input_ids, positions, meta, last_index, table = self._prepare(scheduled)
+        kv = self.kv_cache
+        if not kv.is_int4:
+            return self.model(input_ids, positions, kv.layers, meta, self.attn, after_layer), last_index
+        bs = self.block_size
+        before = torch.tensor([r.start // bs for r in scheduled])
+        after = torch.tensor([(r.context_len - r.num_spec_tokens) // bs for r in scheduled])
+        kv.begin_step(meta.slot_mapping, table, before)
+        hidden = self.model(input_ids, positions, kv.layers, meta, self.attn, after_layer)
+        kv.end_step(table, after)
+        return hidden, last_index
 
     def _verify(
         self,
@@ -157,7 +174,11 @@ class ModelRunner:
                 ]
         return ModelOutput(token_ids, logprobs, time.perf_counter() - t0)
 
-    def _prepare(self, scheduled: list[BatchRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def _prepare(
+        self, scheduled: list[BatchRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], torch.Tensor]:
+        """Token ids, positions, attention metadata, each request's last flat row, and the block table
+        `[num_reqs, max_blocks]` (int64, host, padded with 0) of the laid-out step."""
         bs = self.block_size
         token_ids: list[int] = []
         starts: list[int] = []
@@ -217,7 +238,7 @@ class ModelRunner:
             prefill_query_lens=lens_t[num_decodes:] if prefills else None,
         )
         last_index = (cu - 1).tolist()
-        return torch.tensor(token_ids, device=dev), positions.to(dev), meta, last_index
+        return torch.tensor(token_ids, device=dev), positions.to(dev), meta, last_index, table
 
 
 def _layout_key(r: BatchRequest) -> tuple[bool, int]:

@@ -75,8 +75,8 @@ def random_tables(lengths: list[int], bs: int, nblocks: int, g: torch.Generator)
 
 
 def test_supported_kv_dtypes_and_paths(cpu_paged):
-    assert all(cpu_paged.supports_kv_dtype(d) for d in ("bfloat16", "float32", "int8", "fp8_e4m3"))
-    assert not cpu_paged.supports_kv_dtype("float16") and not cpu_paged.supports_kv_dtype("int4")
+    assert all(cpu_paged.supports_kv_dtype(d) for d in ("bfloat16", "float32", "int8", "fp8_e4m3", "int4"))
+    assert not cpu_paged.supports_kv_dtype("float16")  # (int4: decode in C++, tests/model/test_kv_int4.py)
     if not cpu_paged._kernel.decode_fast_path(True, 9, 3, 64):
         pytest.skip("no AVX-512 BF16 kernels in this build")
     g = torch.Generator().manual_seed(0)

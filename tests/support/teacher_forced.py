@@ -21,7 +21,14 @@ def teacher_forced_logprobs(engine, ids: list[int]) -> torch.Tensor:  # type: ig
         prefill_context_lens=torch.tensor([n]), prefill_query_starts=torch.tensor([0]),
         prefill_query_lens=torch.tensor([n]),
     )
-    hidden = engine.model(torch.tensor(ids), torch.arange(n), engine.kv_cache.layers, meta, engine.runner.attn)
+    kv = engine.kv_cache
+    table = meta.prefill_block_table
+    if kv.is_int4:  # open the blocks written (state changes are the runner's, once per step)
+        kv.begin_step(meta.slot_mapping, table, torch.zeros(1, dtype=torch.int64))
+    hidden = engine.model(torch.tensor(ids), torch.arange(n), kv.layers, meta, engine.runner.attn)
+    if kv.is_int4:  # the blocks are free again: their slots come back at the next step
+        for b in range(-(-n // bs)):
+            kv.note_freed(b, False)
     return torch.log_softmax(engine.model.compute_logits(hidden).float(), dim=-1)
 
 

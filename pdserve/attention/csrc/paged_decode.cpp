@@ -176,6 +176,94 @@ void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const float* 
 }
 
 
+// int4 in the KIVI layout (pdserve/kv/int4.py, kv/cache.py): a sealed block holds packed 4-bit rows
+// [BS, D / 2] (element 2i in the low nibble), keys with a float16 scale and zero per channel over the
+// block [D], values per token [BS]; an open block (residual_slot[block] >= 0) is read unquantized from
+// the residual pool [KVH, R, BS, D] in the query dtype. Each block's rows are dequantized to float once
+// per (request, kv head), then dotted with every query head of the group, as in decode_kernel.
+template <typename T>
+void decode_int4_kernel(const T* q, const uint8_t* k_cache, const uint8_t* v_cache, const at::Half* k_scale,
+                        const at::Half* k_zero, const at::Half* v_scale, const at::Half* v_zero, const T* res_k,
+                        const T* res_v, const int32_t* res_slot, const int64_t* table, const int64_t* ctx, T* out,
+                        int64_t B, int64_t H, int64_t D, int64_t KVH, int64_t NB, int64_t BS, int64_t R,
+                        int64_t max_blocks, float scale) {
+  const int64_t G = H / KVH, D2 = D / 2;
+  // Block `blk`'s first n rows of head h as float: from the residual pool when open, else dequantized
+  // (per_channel: keys, one scale/zero per dimension; otherwise values, one per token).
+  const auto load_rows = [&](float* rows, const uint8_t* packed, const at::Half* sc, const at::Half* ze,
+                             const T* res, bool per_channel, int64_t h, int64_t blk, int64_t n) {
+    const int32_t slot = res_slot[blk];
+    if (slot >= 0) {
+      const T* src = res + (h * R + slot) * BS * D;
+      for (int64_t i = 0; i < n * D; ++i) rows[i] = to_float(src[i]);
+      return;
+    }
+    const uint8_t* src = packed + (h * NB + blk) * BS * D2;
+    const int64_t group = (h * NB + blk) * (per_channel ? D : BS);
+    for (int64_t t = 0; t < n; ++t) {
+      float* r = rows + t * D;
+      const uint8_t* b = src + t * D2;
+      if (per_channel) {
+        for (int64_t i = 0; i < D2; ++i) {
+          r[2 * i] = static_cast<float>(b[i] & 15) * static_cast<float>(sc[group + 2 * i]) +
+                     static_cast<float>(ze[group + 2 * i]);
+          r[2 * i + 1] = static_cast<float>(b[i] >> 4) * static_cast<float>(sc[group + 2 * i + 1]) +
+                         static_cast<float>(ze[group + 2 * i + 1]);
+        }
+      } else {
+        const float s = static_cast<float>(sc[group + t]), z = static_cast<float>(ze[group + t]);
+        for (int64_t i = 0; i < D2; ++i) {
+          r[2 * i] = static_cast<float>(b[i] & 15) * s + z;
+          r[2 * i + 1] = static_cast<float>(b[i] >> 4) * s + z;
+        }
+      }
+    }
+  };
+  for_each_item(ctx, B, KVH, [&](int64_t idx) {
+    thread_local std::vector<float> qf, acc, scores, rows;
+    qf.resize(G * D), acc.resize(G * D), rows.resize(BS * D);
+    const int64_t b = idx / KVH, h = idx % KVH, L = ctx[b];
+    const int64_t* blocks = table + b * max_blocks;
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(q[(b * H + h * G + g) * D + d]) * scale;
+    scores.resize(G * L);
+    for (int64_t t0 = 0; t0 < L; t0 += BS) {
+      const int64_t n = std::min(BS, L - t0), blk = blocks[t0 / BS];
+      load_rows(rows.data(), k_cache, k_scale, k_zero, res_k, true, h, blk, n);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = qf.data() + g * D;
+        float* sg = scores.data() + g * L + t0;
+        for (int64_t t = 0; t < n; ++t) {
+          const float* r = rows.data() + t * D;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t d = 0; d < D; ++d) s += qg[d] * r[d];
+          sg[t] = s;
+        }
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) softmax_inplace(scores.data() + g * L, L);
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t t0 = 0; t0 < L; t0 += BS) {
+      const int64_t n = std::min(BS, L - t0), blk = blocks[t0 / BS];
+      load_rows(rows.data(), v_cache, v_scale, v_zero, res_v, false, h, blk, n);
+      for (int64_t g = 0; g < G; ++g) {
+        float* ag = acc.data() + g * D;
+        const float* sg = scores.data() + g * L + t0;
+        for (int64_t t = 0; t < n; ++t) {
+          const float p = sg[t];
+          const float* r = rows.data() + t * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ag[d] += p * r[d];
+        }
+      }
+    }
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < D; ++d) out[(b * H + h * G + g) * D + d] = static_cast<T>(acc[g * D + d]);
+  });
+}
+
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define PDSERVE_HAVE_AVX512BF16 1
@@ -982,6 +1070,48 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
   });
 }
 
+// Decode attention over an int4 (KIVI) cache, one layer: q [B, H, D] bf16 or float32; k_cache, v_cache
+// [KVH, NB, BS, D / 2] uint8; k_scale, k_zero [KVH, NB, D] and v_scale, v_zero [KVH, NB, BS] float16;
+// residual_k, residual_v [KVH, R, BS, D] in q's dtype; residual_slot [NB] int32; table [B, max_blocks];
+// context_lens [B]. The portable loop only (no AVX-512 path yet).
+torch::Tensor paged_decode_int4(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k_scale,
+                                torch::Tensor k_zero, torch::Tensor v_scale, torch::Tensor v_zero,
+                                torch::Tensor residual_k, torch::Tensor residual_v, torch::Tensor residual_slot,
+                                torch::Tensor table, torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(q.device().is_cpu(), "paged_decode_int4 runs on CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && residual_k.dim() == 4,
+              "bad shapes");
+  TORCH_CHECK(k_cache.scalar_type() == torch::kByte && k_scale.scalar_type() == torch::kHalf &&
+                  residual_slot.scalar_type() == torch::kInt && residual_k.scalar_type() == q.scalar_type(),
+              "int4 cache: uint8 packed rows, float16 scales, int32 slots, residual in the query dtype");
+  for (const auto& t : {k_cache, v_cache, k_scale, k_zero, v_scale, v_zero, residual_k, residual_v, residual_slot})
+    TORCH_CHECK(t.is_contiguous(), "int4 cache tensors must be contiguous");
+  q = q.contiguous();
+  table = table.to(torch::kInt64).contiguous();
+  context_lens = context_lens.to(torch::kInt64).contiguous();
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t KVH = k_cache.size(0), NB = k_cache.size(1), BS = k_cache.size(2), R = residual_k.size(1);
+  TORCH_CHECK(H % KVH == 0 && k_cache.size(3) * 2 == D && residual_k.size(3) == D && residual_k.size(2) == BS,
+              "head layout mismatch");
+  auto out = torch::empty_like(q);
+  const auto run = [&](auto zero) {
+    using T = decltype(zero);
+    decode_int4_kernel<T>(q.data_ptr<T>(), k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(),
+                          k_scale.data_ptr<at::Half>(), k_zero.data_ptr<at::Half>(), v_scale.data_ptr<at::Half>(),
+                          v_zero.data_ptr<at::Half>(), residual_k.data_ptr<T>(), residual_v.data_ptr<T>(),
+                          residual_slot.data_ptr<int32_t>(), table.data_ptr<int64_t>(),
+                          context_lens.data_ptr<int64_t>(), out.data_ptr<T>(), B, H, D, KVH, NB, BS, R, table.size(1),
+                          static_cast<float>(scale));
+  };
+  if (q.scalar_type() == torch::kBFloat16) {
+    run(at::BFloat16{});
+  } else {
+    TORCH_CHECK(q.scalar_type() == torch::kFloat32, "paged_decode_int4 supports bfloat16 and float32 queries");
+    run(float{});
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   const auto no_scale = [](const char* name) { return py::arg(name) = py::none(); };
@@ -994,6 +1124,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "new K/V rows into the paged caches by slot (quantized on the way for int8/fp8)",
         py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), no_scale("k_scale"),
         no_scale("v_scale"));
+  m.def("paged_decode_int4", &paged_decode_int4, "paged decode attention over an int4 (KIVI) cache (CPU)");
   m.def("decode_fast_path", &decode_fast_path, "whether paged_decode has an AVX-512 BF16 path for (bf16, H, KVH, D)");
   m.def("prefill_fast_path", &prefill_fast_path, "whether paged_prefill has a fast path for (bf16, H, KVH, D, BS)");
 }
