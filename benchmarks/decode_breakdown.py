@@ -3,6 +3,11 @@ reads, including the step's KV write), the fused elementwise ops, and everything
 sampling, batch building, Python), at a few batch sizes of decoding sequences.
 
     .venv/bin/python benchmarks/decode_breakdown.py [--batches 1,10,80] [--context 300] [--steps 24]
+    .venv/bin/python benchmarks/decode_breakdown.py --sharegpt-at 30,150,500,1000 [--steps 10]
+
+The second form runs the offline benchmark's workload (200 ShareGPT requests, seed 0, ignore_eos) and
+times `--steps` steps from each listed step on: the batch as it really is, blocks scattered over the
+cache, contexts of every length.
 
 Each component is timed by wrapping its calls in this script only (perf_counter around each call: ~1 us
 each, ~150 calls a step), so the sum slightly overstates the step. Prints the table with the bytes
@@ -49,12 +54,48 @@ class TimedMethods:
         return getattr(self._inner, name)
 
 
+def sharegpt_rows(eng, acc: dict, marks: list[int], steps: int, weight_bytes: int, kv_bytes_per_token: int) -> list[dict]:  # type: ignore[no-untyped-def]
+    """The offline benchmark's requests, all added at once; `steps` steps timed from each step in `marks`."""
+    from pdserve.bench.datasets import sample_sharegpt
+
+    for r in sample_sharegpt(eng.tokenizer, 200, seed=0):
+        eng.add_request(r.prompt, SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True))
+    rows, done = [], 0
+    for mark in marks:
+        while done < mark and eng.has_unfinished_requests():
+            eng.step()
+            done += 1
+        running = list(eng.scheduler.running)
+        if not running:
+            break
+        ctx = sum(r.num_computed_tokens for r in running)
+        acc.clear()
+        t0 = time.perf_counter()
+        n = 0
+        while n < steps and eng.has_unfinished_requests():
+            eng.step()
+            n += 1
+        done += n
+        step = (time.perf_counter() - t0) / n
+        parts = {k: acc[k] / n for k in ("linears", "attention", "elementwise")}
+        parts["other"] = step - sum(parts.values())
+        kv_bytes = ctx * kv_bytes_per_token
+        rows.append({"batch": len(running), "at_step": mark, "context_tokens": ctx, "step_ms": 1e3 * step,
+                     **{f"{k}_ms": 1e3 * v for k, v in parts.items()},
+                     "weight_gb_per_s": weight_bytes / parts["linears"] / 1e9,
+                     "kv_gb_per_s": kv_bytes / parts["attention"] / 1e9, "kv_mb_per_step": kv_bytes / 1e6})
+    while eng.has_unfinished_requests():
+        eng.step()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--batches", default="1,10,80")
     ap.add_argument("--context", type=int, default=300, help="prompt tokens per sequence before decoding")
     ap.add_argument("--steps", type=int, default=24, help="decode steps timed per batch size")
+    ap.add_argument("--sharegpt-at", default=None, help="time the ShareGPT run from these step numbers instead")
     ap.add_argument("--linear-kernel", default="auto")
     ap.add_argument("--out", default="results/decode_breakdown.json")
     args = ap.parse_args()
@@ -78,7 +119,10 @@ def main() -> None:
     print(plan.describe() if plan is not None else "linears: plain F.linear")
     rng = random.Random(0)
     rows = []
-    for b in [int(x) for x in args.batches.split(",")]:
+    if args.sharegpt_at:
+        rows = sharegpt_rows(eng, acc, [int(x) for x in args.sharegpt_at.split(",")], args.steps, weight_bytes,
+                             cfg.kv_bytes_per_token)
+    for b in [int(x) for x in args.batches.split(",")] if not args.sharegpt_at else []:
         eng.block_manager.reset_prefix_cache()
         for _ in range(b):
             prompt = [rng.randrange(100, cfg.vocab_size) for _ in range(args.context)]
@@ -101,7 +145,9 @@ def main() -> None:
         rows.append({"batch": b, "step_ms": 1e3 * step, **{f"{k}_ms": 1e3 * v for k, v in parts.items()},
                      "weight_gb_per_s": weight_bytes / parts["linears"] / 1e9,
                      "kv_gb_per_s": kv_bytes / parts["attention"] / 1e9, "kv_mb_per_step": kv_bytes / 1e6})
-    print(f"weights {weight_bytes / 1e6:.0f} MB per step; context {args.context} tokens per sequence")
+    where = (f"ShareGPT run, {args.steps} steps from steps {args.sharegpt_at} (batch = running sequences)"
+             if args.sharegpt_at else f"context {args.context} tokens per sequence")
+    print(f"weights {weight_bytes / 1e6:.0f} MB per step; {where}")
     print(f"{'batch':>5} {'step ms':>8} {'linears':>8} {'W GB/s':>7} {'attn':>7} {'KV MB':>6} {'KV GB/s':>8} "
           f"{'elemwise':>8} {'other':>7}")
     for r in rows:
