@@ -61,8 +61,8 @@ def reference(model, prompts):
         dict(scheduler="decode-priority", max_num_batched_tokens=64, chunk_size=40),
         dict(scheduler="slo", max_num_batched_tokens=128),
         # 30 blocks of 16 tokens hold 480 tokens; the batch needs ~680 at once: requests are preempted.
-        dict(scheduler="prefill-first", num_blocks=30),
-        dict(scheduler="chunked", max_num_batched_tokens=64, chunk_size=40, num_blocks=30,
+        dict(scheduler="prefill-first", num_blocks=30, block_size=16),
+        dict(scheduler="chunked", max_num_batched_tokens=64, chunk_size=40, num_blocks=30, block_size=16,
              preemption_mode="swap", swap_space_gb=0.05),
     ],
     ids=["prefill-first", "chunked-64-c40", "chunked-48", "decode-priority", "slo", "recompute-preemption",

@@ -137,8 +137,8 @@ def mode_reference(sequential, weights, mode_prompts):
     [
         dict(scheduler="chunked", max_num_batched_tokens=48),
         # 14 blocks of 16 tokens hold 224; the batch needs ~300 at once: requests are preempted.
-        dict(scheduler="prefill-first", num_blocks=14),
-        dict(scheduler="chunked", max_num_batched_tokens=64, chunk_size=40, num_blocks=14,
+        dict(scheduler="prefill-first", num_blocks=14, block_size=16),
+        dict(scheduler="chunked", max_num_batched_tokens=64, chunk_size=40, num_blocks=14, block_size=16,
              preemption_mode="swap", swap_space_gb=0.05),
     ],
     ids=["chunked-48", "recompute-preemption", "swap-preemption"],

@@ -596,8 +596,8 @@ def test_metrics_present_and_moving(url, client):
     assert moved("pdserve:prefill_step_duration_seconds_count") >= 1
     assert moved("pdserve:decode_step_duration_seconds_count") >= 8
     assert moved("pdserve:prefix_cache_queried_tokens_total") >= resp.usage.prompt_tokens
-    # The same prompt again hits the prefix cache (its full blocks).
-    long_prompt = " ".join(f"w{i}" for i in range(40))
+    # The same prompt again hits the prefix cache (its full blocks: 128 tokens each on a CPU).
+    long_prompt = " ".join(f"w{i}" for i in range(80))  # ~260 tokens
     client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=2, temperature=0)
     mid = scrape(url)
     client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=2, temperature=0)
