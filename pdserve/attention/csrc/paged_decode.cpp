@@ -110,100 +110,62 @@ void for_each_item(const int64_t* ctx, int64_t B, int64_t KVH, const F& fn) {
   for_each_costed(costs, fn);
 }
 
-// The portable loop: queries T (bf16 or float), cache values C (T, or int8 / fp8 with the per-row scales
-// k_scale, v_scale [KVH, NB, BS]; nullptr for an unquantized cache). Each block's rows are converted to
-// float (times their scale) once, then dotted with every query head of the group.
-template <typename T, typename C>
-void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const float* k_scale, const float* v_scale,
-                   const int64_t* table, const int64_t* ctx, T* out, int64_t B, int64_t H, int64_t D, int64_t KVH,
-                   int64_t NB, int64_t BS, int64_t max_blocks, float scale) {
-  const int64_t G = H / KVH;
-  // One block's rows as float, scaled when the cache is quantized.
-  const auto load_rows = [&](float* rows, const C* src, const float* row_scale, int64_t n) {
+// Row loaders of the portable loop: load(rows, is_v, h, blk, n) writes the first n rows of block blk of
+// kv head h (is_v: the V side, else K) as float into rows [n, D]. A policy per cache layout keeps one
+// skeleton (decode_kernel) for every dtype.
+//
+// ScaledRows: bf16 / float32 rows as they are, or int8 / fp8 with their per-row scales k_scale, v_scale
+// [KVH, NB, BS] (nullptr for an unquantized cache), each value times its row's scale.
+template <typename C>
+struct ScaledRows {
+  const C* k;
+  const C* v;
+  const float* k_scale;
+  const float* v_scale;
+  int64_t NB, BS, D;
+  void load(float* rows, bool is_v, int64_t h, int64_t blk, int64_t n) const {
+    const int64_t row0 = (h * NB + blk) * BS;
+    const C* src = (is_v ? v : k) + row0 * D;
+    const float* row_scale = is_v ? v_scale : k_scale;
     for (int64_t t = 0; t < n; ++t) {
-      const float s = row_scale ? row_scale[t] : 1.f;
+      const float s = row_scale ? row_scale[row0 + t] : 1.f;
       for (int64_t d = 0; d < D; ++d) rows[t * D + d] = to_float(src[t * D + d]) * s;
     }
-  };
-  for_each_item(ctx, B, KVH, [&](int64_t idx) {
-    thread_local std::vector<float> qf, acc, scores, rows;
-    qf.resize(G * D), acc.resize(G * D), rows.resize(BS * D);
-    {
-      const int64_t b = idx / KVH, h = idx % KVH, L = ctx[b];
-      const int64_t* blocks = table + b * max_blocks;
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(q[(b * H + h * G + g) * D + d]) * scale;
-      scores.resize(G * L);
-      const C* kh = k_cache + h * NB * BS * D;
-      const C* vh = v_cache + h * NB * BS * D;
-      const float* ksh = k_scale ? k_scale + h * NB * BS : nullptr;
-      const float* vsh = v_scale ? v_scale + h * NB * BS : nullptr;
-      for (int64_t t0 = 0; t0 < L; t0 += BS) {  // one block at a time: BS contiguous rows
-        const int64_t n = std::min(BS, L - t0), blk = blocks[t0 / BS];
-        load_rows(rows.data(), kh + blk * BS * D, ksh ? ksh + blk * BS : nullptr, n);
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qf.data() + g * D;
-          float* sg = scores.data() + g * L + t0;
-          for (int64_t t = 0; t < n; ++t) {
-            const float* r = rows.data() + t * D;
-            float s = 0.f;
-#pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < D; ++d) s += qg[d] * r[d];
-            sg[t] = s;
-          }
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) softmax_inplace(scores.data() + g * L, L);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t0 = 0; t0 < L; t0 += BS) {
-        const int64_t n = std::min(BS, L - t0), blk = blocks[t0 / BS];
-        load_rows(rows.data(), vh + blk * BS * D, vsh ? vsh + blk * BS : nullptr, n);
-        for (int64_t g = 0; g < G; ++g) {
-          float* ag = acc.data() + g * D;
-          const float* sg = scores.data() + g * L + t0;
-          for (int64_t t = 0; t < n; ++t) {
-            const float p = sg[t];
-            const float* r = rows.data() + t * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ag[d] += p * r[d];
-          }
-        }
-      }
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) out[(b * H + h * G + g) * D + d] = static_cast<T>(acc[g * D + d]);
-    }
-  });
-}
+  }
+};
 
-
-// int4 in the KIVI layout (pdserve/kv/int4.py, kv/cache.py): a sealed block holds packed 4-bit rows
-// [BS, D / 2] (element 2i in the low nibble), keys with a float16 scale and zero per channel over the
-// block [D], values per token [BS]; an open block (residual_slot[block] >= 0) is read unquantized from
-// the residual pool [KVH, R, BS, D] in the query dtype. Each block's rows are dequantized to float once
-// per (request, kv head), then dotted with every query head of the group, as in decode_kernel.
+// Int4Rows: int4 in the KIVI layout (pdserve/kv/int4.py, kv/cache.py). A sealed block holds packed 4-bit
+// rows [BS, D / 2] (element 2i in the low nibble), keys with a float16 scale and zero per channel over
+// the block [D], values per token [BS]; an open block (res_slot[block] >= 0) is read unquantized from
+// the residual pool [KVH, R, BS, D] in the query dtype T.
 template <typename T>
-void decode_int4_kernel(const T* q, const uint8_t* k_cache, const uint8_t* v_cache, const at::Half* k_scale,
-                        const at::Half* k_zero, const at::Half* v_scale, const at::Half* v_zero, const T* res_k,
-                        const T* res_v, const int32_t* res_slot, const int64_t* table, const int64_t* ctx, T* out,
-                        int64_t B, int64_t H, int64_t D, int64_t KVH, int64_t NB, int64_t BS, int64_t R,
-                        int64_t max_blocks, float scale) {
-  const int64_t G = H / KVH, D2 = D / 2;
-  // Block `blk`'s first n rows of head h as float: from the residual pool when open, else dequantized
-  // (per_channel: keys, one scale/zero per dimension; otherwise values, one per token).
-  const auto load_rows = [&](float* rows, const uint8_t* packed, const at::Half* sc, const at::Half* ze,
-                             const T* res, bool per_channel, int64_t h, int64_t blk, int64_t n) {
+struct Int4Rows {
+  const uint8_t* k;
+  const uint8_t* v;
+  const at::Half* k_scale;
+  const at::Half* k_zero;
+  const at::Half* v_scale;
+  const at::Half* v_zero;
+  const T* res_k;
+  const T* res_v;
+  const int32_t* res_slot;
+  int64_t NB, BS, R, D;
+  void load(float* rows, bool is_v, int64_t h, int64_t blk, int64_t n) const {
     const int32_t slot = res_slot[blk];
     if (slot >= 0) {
-      const T* src = res + (h * R + slot) * BS * D;
+      const T* src = (is_v ? res_v : res_k) + (h * R + slot) * BS * D;
       for (int64_t i = 0; i < n * D; ++i) rows[i] = to_float(src[i]);
       return;
     }
-    const uint8_t* src = packed + (h * NB + blk) * BS * D2;
-    const int64_t group = (h * NB + blk) * (per_channel ? D : BS);
+    const int64_t D2 = D / 2;
+    const uint8_t* src = (is_v ? v : k) + (h * NB + blk) * BS * D2;
+    const at::Half* sc = is_v ? v_scale : k_scale;
+    const at::Half* ze = is_v ? v_zero : k_zero;
+    const int64_t group = (h * NB + blk) * (is_v ? BS : D);  // keys: one scale/zero per dim; values: per token
     for (int64_t t = 0; t < n; ++t) {
       float* r = rows + t * D;
       const uint8_t* b = src + t * D2;
-      if (per_channel) {
+      if (!is_v) {
         for (int64_t i = 0; i < D2; ++i) {
           r[2 * i] = static_cast<float>(b[i] & 15) * static_cast<float>(sc[group + 2 * i]) +
                      static_cast<float>(ze[group + 2 * i]);
@@ -218,7 +180,15 @@ void decode_int4_kernel(const T* q, const uint8_t* k_cache, const uint8_t* v_cac
         }
       }
     }
-  };
+  }
+};
+
+// The portable loop: queries T (bf16 or float), cache rows read through a loader (above). Each block's
+// rows are converted to float once per (request, kv head), then dotted with every query head of the group.
+template <typename T, typename Rows>
+void decode_kernel(const T* q, const Rows& rows_of, const int64_t* table, const int64_t* ctx, T* out, int64_t B,
+                   int64_t H, int64_t D, int64_t KVH, int64_t BS, int64_t max_blocks, float scale) {
+  const int64_t G = H / KVH;
   for_each_item(ctx, B, KVH, [&](int64_t idx) {
     thread_local std::vector<float> qf, acc, scores, rows;
     qf.resize(G * D), acc.resize(G * D), rows.resize(BS * D);
@@ -227,9 +197,9 @@ void decode_int4_kernel(const T* q, const uint8_t* k_cache, const uint8_t* v_cac
     for (int64_t g = 0; g < G; ++g)
       for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(q[(b * H + h * G + g) * D + d]) * scale;
     scores.resize(G * L);
-    for (int64_t t0 = 0; t0 < L; t0 += BS) {
-      const int64_t n = std::min(BS, L - t0), blk = blocks[t0 / BS];
-      load_rows(rows.data(), k_cache, k_scale, k_zero, res_k, true, h, blk, n);
+    for (int64_t t0 = 0; t0 < L; t0 += BS) {  // one block at a time: BS contiguous rows
+      const int64_t n = std::min(BS, L - t0);
+      rows_of.load(rows.data(), false, h, blocks[t0 / BS], n);
       for (int64_t g = 0; g < G; ++g) {
         const float* qg = qf.data() + g * D;
         float* sg = scores.data() + g * L + t0;
@@ -245,8 +215,8 @@ void decode_int4_kernel(const T* q, const uint8_t* k_cache, const uint8_t* v_cac
     for (int64_t g = 0; g < G; ++g) softmax_inplace(scores.data() + g * L, L);
     std::fill(acc.begin(), acc.end(), 0.f);
     for (int64_t t0 = 0; t0 < L; t0 += BS) {
-      const int64_t n = std::min(BS, L - t0), blk = blocks[t0 / BS];
-      load_rows(rows.data(), v_cache, v_scale, v_zero, res_v, false, h, blk, n);
+      const int64_t n = std::min(BS, L - t0);
+      rows_of.load(rows.data(), true, h, blocks[t0 / BS], n);
       for (int64_t g = 0; g < G; ++g) {
         float* ag = acc.data() + g * D;
         const float* sg = scores.data() + g * L + t0;
@@ -802,9 +772,10 @@ void decode_portable(const torch::Tensor& q, const torch::Tensor& k_cache, const
   const int64_t KVH = k_cache.size(0), NB = k_cache.size(1), BS = k_cache.size(2);
   const auto run = [&](auto cache_elem) {
     using C = decltype(cache_elem);
-    decode_kernel<T, C>(q.data_ptr<T>(), static_cast<const C*>(k_cache.data_ptr()),
-                        static_cast<const C*>(v_cache.data_ptr()), ks, vs, table.data_ptr<int64_t>(),
-                        ctx.data_ptr<int64_t>(), out.data_ptr<T>(), B, H, D, KVH, NB, BS, table.size(1), scale);
+    const ScaledRows<C> rows{static_cast<const C*>(k_cache.data_ptr()), static_cast<const C*>(v_cache.data_ptr()),
+                             ks, vs, NB, BS, D};
+    decode_kernel<T>(q.data_ptr<T>(), rows, table.data_ptr<int64_t>(), ctx.data_ptr<int64_t>(), out.data_ptr<T>(),
+                     B, H, D, KVH, BS, table.size(1), scale);
   };
   switch (k_cache.scalar_type()) {
     case torch::kChar: run(int8_t{}); break;
@@ -1096,12 +1067,12 @@ torch::Tensor paged_decode_int4(torch::Tensor q, torch::Tensor k_cache, torch::T
   auto out = torch::empty_like(q);
   const auto run = [&](auto zero) {
     using T = decltype(zero);
-    decode_int4_kernel<T>(q.data_ptr<T>(), k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(),
-                          k_scale.data_ptr<at::Half>(), k_zero.data_ptr<at::Half>(), v_scale.data_ptr<at::Half>(),
-                          v_zero.data_ptr<at::Half>(), residual_k.data_ptr<T>(), residual_v.data_ptr<T>(),
-                          residual_slot.data_ptr<int32_t>(), table.data_ptr<int64_t>(),
-                          context_lens.data_ptr<int64_t>(), out.data_ptr<T>(), B, H, D, KVH, NB, BS, R, table.size(1),
-                          static_cast<float>(scale));
+    const Int4Rows<T> rows{k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(), k_scale.data_ptr<at::Half>(),
+                           k_zero.data_ptr<at::Half>(), v_scale.data_ptr<at::Half>(), v_zero.data_ptr<at::Half>(),
+                           residual_k.data_ptr<T>(), residual_v.data_ptr<T>(), residual_slot.data_ptr<int32_t>(),
+                           NB, BS, R, D};
+    decode_kernel<T>(q.data_ptr<T>(), rows, table.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
+                     out.data_ptr<T>(), B, H, D, KVH, BS, table.size(1), static_cast<float>(scale));
   };
   if (q.scalar_type() == torch::kBFloat16) {
     run(at::BFloat16{});
