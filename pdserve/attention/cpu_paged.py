@@ -149,7 +149,7 @@ class CpuPagedAttention(TorchAttention):
         """(decode path, prefill path, why either is not the fast one or None) for a model's cache (the
         fast paths of a quantized cache assume bf16 queries, as a model with such a cache runs)."""
         if cache.is_int4:
-            return "C++ portable loop, int4 KV", "torch reference (int4)", "int4 has no AVX-512 kernels yet"
+            return self._int4_kernel_paths(cache, num_heads)
         k_cache = cache.k
         kvh, _, block_size, head_dim = k_cache.shape
         label = _FAST_CACHE_DTYPES.get(k_cache.dtype)
@@ -167,6 +167,25 @@ class CpuPagedAttention(TorchAttention):
             elif not fast:
                 why = f"the cache is {k_cache.dtype}, the fast kernels read bf16, int8 and fp8 e4m3"
             elif not fast_decode:
+                why = f"{shape} is outside the fast kernels' head_dim 64/128 and 1-8 heads per kv head"
+            else:
+                why = f"block size {block_size} is not a multiple of 16"
+        return decode, prefill, why
+
+    def _int4_kernel_paths(self, cache: LayerCache, num_heads: int) -> tuple[str, str, str | None]:
+        kvh, _, block_size, head_dim = cache.residual_k.shape  # type: ignore[union-attr]
+        bf16 = cache.residual_k.dtype == torch.bfloat16  # type: ignore[union-attr]
+        shape = f"head_dim {head_dim}, {num_heads // kvh} query heads per kv head"
+        fast = bool(self._kernel.decode_int4_fast_path(bf16, num_heads, kvh, head_dim, block_size))
+        decode = f"C++ AVX-512 BF16, int4 KV ({shape})" if fast else "C++ portable loop, int4 KV"
+        prefill = "torch reference (int4)"
+        why = "int4 prefill runs the torch reference"
+        if not fast:
+            if not self._kernel.decode_int4_fast_path(True, 9, 3, 64, 16):
+                why = "this CPU or compiler has no AVX-512 BF16"
+            elif not bf16:
+                why = f"the residual pool is {cache.residual_k.dtype}, the fast int4 decode reads bf16"  # type: ignore[union-attr]
+            elif not self._kernel.decode_fast_path(True, num_heads, kvh, head_dim):
                 why = f"{shape} is outside the fast kernels' head_dim 64/128 and 1-8 heads per kv head"
             else:
                 why = f"block size {block_size} is not a multiple of 16"

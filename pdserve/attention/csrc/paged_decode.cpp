@@ -724,6 +724,203 @@ void prefill_avx512(const at::BFloat16* q, const typename R::T* k_cache, const t
     }
   });
 }
+
+// int4 (KIVI) decode with AVX-512 BF16, reading the packed nibbles in place (head_dim D 64 or 128, G query
+// heads per kv head, blocks of a multiple of 16 tokens). Sealed blocks:
+// - keys, one scale s_c and zero z_c per channel over the block: q.k = sum_c (q_c s_c) n_c + sum_c q_c z_c.
+//   Once per block the G query heads take the block's channel scales (G x D multiplies, rounded to bf16
+//   for the dot products: the reference rounds the dequantized keys to bf16 instead) and one constant per
+//   head (the zeros' share, in float); the nibbles become bf16 by a 32-entry table in one permute per 32
+//   values and go through the same BF16 dot products as a bf16 block.
+// - values, one scale s_t and zero z_t per token: p_t v_t = (p_t s_t) n_t + p_t z_t, so the scale is
+//   folded into p (as the int8 path does) and sum_t p_t z_t is one scalar per head, added to every dim at
+//   the end; the nibbles become float by a 16-entry table (vpermps) and enter float FMAs.
+// Open blocks (res_slot >= 0) read their bf16 rows from the residual pool as the bf16 kernel reads a block.
+// Nibble order: byte i holds elements 2i (low) and 2i + 1 (high), so unpacking gives the even elements of a
+// span and then its odd ones. Rather than re-interleave every row, the queries are permuted once into the
+// keys' order (per 64 dims: 32 even, 32 odd) and the V accumulators kept in the values' order (per 32
+// dims: 16 even, 16 odd), put back in order once per item; open V rows are permuted into that order.
+template <int D, int G>
+void decode_int4_avx512(const at::BFloat16* q, const uint8_t* k_cache, const uint8_t* v_cache, const at::Half* k_scale,
+                        const at::Half* k_zero, const at::Half* v_scale, const at::Half* v_zero,
+                        const at::BFloat16* res_k, const at::BFloat16* res_v, const int32_t* res_slot,
+                        const int64_t* table, const int64_t* ctx, at::BFloat16* out, int64_t B, int64_t H, int64_t KVH,
+                        int64_t NB, int64_t BS, int64_t R, int64_t max_blocks, float scale) {
+  constexpr int NC = D / 32, D2 = D / 2;
+  const int64_t packed_bytes = BS * D2, open_bytes = BS * D * 2;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  alignas(64) uint16_t nib_bf16[32];  // bf16 of (i & 15): the permute reads the low 5 bits of each lane
+  for (int i = 0; i < 32; ++i) nib_bf16[i] = static_cast<uint16_t>(at::BFloat16(static_cast<float>(i & 15)).x);
+  const __m512i nib_table = _mm512_load_si512(nib_bf16);
+  const __m512 nib_f32 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);  // low 4 bits
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const __m512i inter_lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i inter_hi = _mm512_add_epi32(inter_lo, _mm512_set1_epi32(8));
+  // x[0..63] in the keys' nibble order (x even elements, then odd), into dst[0..63].
+  const auto keys_order64 = [&](const __m512* x, float* dst) {
+    _mm512_store_ps(dst, _mm512_permutex2var_ps(x[0], even, x[1]));
+    _mm512_store_ps(dst + 16, _mm512_permutex2var_ps(x[2], even, x[3]));
+    _mm512_store_ps(dst + 32, _mm512_permutex2var_ps(x[0], odd, x[1]));
+    _mm512_store_ps(dst + 48, _mm512_permutex2var_ps(x[2], odd, x[3]));
+  };
+  for_each_item(ctx, B, KVH, [&](int64_t idx) {
+    thread_local std::vector<float> scores;
+    const int64_t b = idx / KVH, h = idx % KVH, L = ctx[b];
+    const int64_t* blocks = table + b * max_blocks;
+    const int64_t nblocks = (L + BS - 1) / BS;
+    const at::BFloat16* qh = q + (b * H + h * G) * D;
+    const int64_t stride = nblocks * BS + 16;
+    scores.resize(G * stride);
+    const auto open_rows = [&](const at::BFloat16* pool, int32_t slot) { return pool + (h * R + slot) * BS * D; };
+    // Block a's K side with its scales (or, past the last, V block a - nblocks), into L1.
+    const auto prefetch_block = [&](int64_t a) {
+      const bool k_side = a < nblocks;
+      const int64_t blk = blocks[k_side ? a : a - nblocks];
+      const int32_t slot = res_slot[blk];
+      if (slot >= 0) return prefetch_rows(open_rows(k_side ? res_k : res_v, slot), open_bytes);
+      prefetch_rows((k_side ? k_cache : v_cache) + (h * NB + blk) * packed_bytes, packed_bytes);
+      if (k_side) prefetch_rows(k_scale + (h * NB + blk) * D, 2 * D), prefetch_rows(k_zero + (h * NB + blk) * D, 2 * D);
+      else prefetch_rows(v_scale + (h * NB + blk) * BS, 2 * BS), prefetch_rows(v_zero + (h * NB + blk) * BS, 2 * BS);
+    };
+    alignas(64) float qf[G][D], qk[G][D];  // queries x softmax scale: in order, and in the keys' order
+    for (int g = 0; g < G; ++g) {
+      for (int d = 0; d < D; d += 16) _mm512_store_ps(qf[g] + d, _mm512_mul_ps(bf16x16_to_float(qh + g * D + d), vscale));
+      for (int d = 0; d < D; d += 64) {
+        const __m512 x[4] = {_mm512_load_ps(qf[g] + d), _mm512_load_ps(qf[g] + d + 16), _mm512_load_ps(qf[g] + d + 32),
+                             _mm512_load_ps(qf[g] + d + 48)};
+        keys_order64(x, qk[g] + d);
+      }
+    }
+    alignas(64) uint16_t kconv[16 * D];  // 16 sealed K rows' nibbles as bf16, in the keys' order
+    alignas(64) uint16_t qbf[G][D];      // q_c s_c as bf16, in the keys' order
+    alignas(64) float sk[D];
+    float kconst[G];
+    for (int64_t a = 0; a < kPrefetch && a < 2 * nblocks; ++a) prefetch_block(a);
+    for (int64_t j = 0; j < nblocks; ++j) {
+      if (j + kPrefetch < 2 * nblocks) prefetch_block(j + kPrefetch);
+      const int64_t blk = blocks[j], t0 = j * BS, n = std::min(BS, L - t0);
+      const int32_t slot = res_slot[blk];
+      if (slot >= 0) {  // open: bf16 rows, as the bf16 kernel
+        const at::BFloat16* kb = open_rows(res_k, slot);
+        for (int64_t t = 0; t < n; t += 16) {  // rows past n are read (the slot has BS rows), never used
+          for (int g = 0; g < G; ++g) {
+            __m512bh qv[NC];
+            for (int c = 0; c < NC; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qh + g * D + 32 * c);
+            __m512 acc[16];
+            for (int r = 0; r < 16; ++r) {
+              acc[r] = _mm512_setzero_ps();
+              for (int c = 0; c < NC; ++c)
+                acc[r] = _mm512_dpbf16_ps(acc[r], qv[c], (__m512bh)_mm512_loadu_si512(kb + (t + r) * D + 32 * c));
+            }
+            _mm512_storeu_ps(scores.data() + g * stride + t0 + t, _mm512_mul_ps(hsum16(acc), vscale));
+          }
+        }
+        continue;
+      }
+      // Sealed: the block's channel scales into the queries, the zeros into one constant per head.
+      const at::Half* ksb = k_scale + (h * NB + blk) * D;
+      const at::Half* kzb = k_zero + (h * NB + blk) * D;
+      for (int d = 0; d < D; d += 64) {
+        __m512 x[4];
+        for (int i = 0; i < 4; ++i) x[i] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ksb + d + 16 * i)));
+        keys_order64(x, sk + d);
+      }
+      for (int g = 0; g < G; ++g) {
+        __m512 z = _mm512_setzero_ps();
+        for (int d = 0; d < D; d += 16)
+          z = _mm512_fmadd_ps(_mm512_load_ps(qf[g] + d),
+                              _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kzb + d))), z);
+        kconst[g] = _mm512_reduce_add_ps(z);
+        for (int c = 0; c < NC; ++c) {
+          const __m512 lo = _mm512_mul_ps(_mm512_load_ps(qk[g] + 32 * c), _mm512_load_ps(sk + 32 * c));
+          const __m512 hi = _mm512_mul_ps(_mm512_load_ps(qk[g] + 32 * c + 16), _mm512_load_ps(sk + 32 * c + 16));
+          _mm512_store_si512(qbf[g] + 32 * c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+      }
+      const uint8_t* kb = k_cache + (h * NB + blk) * packed_bytes;
+      for (int64_t t = 0; t < n; t += 16) {
+        for (int r = 0; r < 16; ++r)
+          for (int d = 0; d < D; d += 64) {  // 32 bytes: 32 even elements (low nibbles), then 32 odd
+            const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kb + (t + r) * D2 + d / 2)));
+            _mm512_store_si512(kconv + r * D + d, _mm512_permutexvar_epi16(w, nib_table));
+            _mm512_store_si512(kconv + r * D + d + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), nib_table));
+          }
+        for (int g = 0; g < G; ++g) {
+          __m512bh qv[NC];
+          for (int c = 0; c < NC; ++c) qv[c] = (__m512bh)_mm512_load_si512(qbf[g] + 32 * c);
+          __m512 acc[16];
+          for (int r = 0; r < 16; ++r) {
+            acc[r] = _mm512_setzero_ps();
+            for (int c = 0; c < NC; ++c)
+              acc[r] = _mm512_dpbf16_ps(acc[r], qv[c], (__m512bh)_mm512_load_si512(kconv + r * D + 32 * c));
+          }
+          _mm512_storeu_ps(scores.data() + g * stride + t0 + t, _mm512_add_ps(hsum16(acc), _mm512_set1_ps(kconst[g])));
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g) softmax_inplace(scores.data() + g * stride, L);
+    alignas(64) float accm[G][D];  // in the values' order
+    __m512 zacc[G];                // sum_t p_t z_t, per lane
+    for (int g = 0; g < G; ++g) {
+      zacc[g] = _mm512_setzero_ps();
+      for (int d = 0; d < D; d += 16) _mm512_store_ps(accm[g] + d, _mm512_setzero_ps());
+    }
+    for (int64_t j = 0; j < nblocks; ++j) {
+      if (j + kPrefetch < nblocks) prefetch_block(nblocks + j + kPrefetch);
+      const int64_t blk = blocks[j], t0 = j * BS, n = std::min(BS, L - t0);
+      const int32_t slot = res_slot[blk];
+      const at::BFloat16* vr = slot >= 0 ? open_rows(res_v, slot) : nullptr;
+      const uint8_t* vb = v_cache + (h * NB + blk) * packed_bytes;
+      if (slot < 0) {  // sealed: p_t s_t in place of p_t, and p_t z_t into zacc
+        const at::Half* vsb = v_scale + (h * NB + blk) * BS;
+        const at::Half* vzb = v_zero + (h * NB + blk) * BS;
+        for (int64_t t = 0; t < n; t += 16) {
+          const __mmask16 live = n - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - t)) - 1u);
+          const __m512 vs = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, vsb + t));
+          const __m512 vz = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, vzb + t));
+          for (int g = 0; g < G; ++g) {
+            float* p = scores.data() + g * stride + t0 + t;
+            const __m512 pv = _mm512_maskz_loadu_ps(live, p);
+            zacc[g] = _mm512_fmadd_ps(pv, vz, zacc[g]);
+            _mm512_mask_storeu_ps(p, live, _mm512_mul_ps(pv, vs));
+          }
+        }
+      }
+      for (int c = 0; c < NC; ++c) {  // 32 dims: 16 even, 16 odd
+        __m512 acc[G][2];
+        for (int g = 0; g < G; ++g)
+          acc[g][0] = _mm512_load_ps(accm[g] + 32 * c), acc[g][1] = _mm512_load_ps(accm[g] + 32 * c + 16);
+        for (int64_t t = 0; t < n; ++t) {
+          __m512 v0, v1;
+          if (vr) {
+            const __m512 x0 = bf16x16_to_float(vr + t * D + 32 * c), x1 = bf16x16_to_float(vr + t * D + 32 * c + 16);
+            v0 = _mm512_permutex2var_ps(x0, even, x1), v1 = _mm512_permutex2var_ps(x0, odd, x1);
+          } else {
+            const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vb + t * D2 + 16 * c)));
+            v0 = _mm512_permutexvar_ps(w, nib_f32), v1 = _mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), nib_f32);
+          }
+          for (int g = 0; g < G; ++g) {
+            const __m512 p = _mm512_set1_ps(scores[g * stride + t0 + t]);
+            acc[g][0] = _mm512_fmadd_ps(p, v0, acc[g][0]);
+            acc[g][1] = _mm512_fmadd_ps(p, v1, acc[g][1]);
+          }
+        }
+        for (int g = 0; g < G; ++g)
+          _mm512_store_ps(accm[g] + 32 * c, acc[g][0]), _mm512_store_ps(accm[g] + 32 * c + 16, acc[g][1]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {  // back in order, plus the zeros' share
+      at::BFloat16* o = out + (b * H + h * G + g) * D;
+      const __m512 z = _mm512_set1_ps(_mm512_reduce_add_ps(zacc[g]));
+      for (int c = 0; c < NC; ++c) {
+        const __m512 e = _mm512_load_ps(accm[g] + 32 * c), od = _mm512_load_ps(accm[g] + 32 * c + 16);
+        store_bf16x16(o + 32 * c, _mm512_add_ps(_mm512_permutex2var_ps(e, inter_lo, od), z));
+        store_bf16x16(o + 32 * c + 16, _mm512_add_ps(_mm512_permutex2var_ps(e, inter_hi, od), z));
+      }
+    }
+  });
+}
 #endif
 
 }  // namespace
@@ -899,6 +1096,12 @@ bool prefill_fast_path(bool bf16, int64_t H, int64_t KVH, int64_t D, int64_t BS)
   return decode_fast_path(bf16, H, KVH, D) && BS % 16 == 0;
 }
 
+// Whether paged_decode_int4 takes its AVX-512 path (bf16 queries and residual pool, blocks of a multiple
+// of 16 tokens); otherwise it runs the portable loop.
+bool decode_int4_fast_path(bool bf16, int64_t H, int64_t KVH, int64_t D, int64_t BS) {
+  return decode_fast_path(bf16, H, KVH, D) && BS % 16 == 0;
+}
+
 // q [B, H, D]; k_cache, v_cache [KVH, NB, BS, D] (contiguous); table [B, max_blocks] int64;
 // context_lens [B] int64 (>= 1); k_scale, v_scale [KVH, NB, BS] float32 with an int8 or fp8 cache.
 // Returns [B, H, D] in q's dtype.
@@ -1044,7 +1247,7 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
 // Decode attention over an int4 (KIVI) cache, one layer: q [B, H, D] bf16 or float32; k_cache, v_cache
 // [KVH, NB, BS, D / 2] uint8; k_scale, k_zero [KVH, NB, D] and v_scale, v_zero [KVH, NB, BS] float16;
 // residual_k, residual_v [KVH, R, BS, D] in q's dtype; residual_slot [NB] int32; table [B, max_blocks];
-// context_lens [B]. The portable loop only (no AVX-512 path yet).
+// context_lens [B]. The AVX-512 kernel where decode_int4_fast_path says so, else the portable loop.
 torch::Tensor paged_decode_int4(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k_scale,
                                 torch::Tensor k_zero, torch::Tensor v_scale, torch::Tensor v_zero,
                                 torch::Tensor residual_k, torch::Tensor residual_v, torch::Tensor residual_slot,
@@ -1065,6 +1268,19 @@ torch::Tensor paged_decode_int4(torch::Tensor q, torch::Tensor k_cache, torch::T
   TORCH_CHECK(H % KVH == 0 && k_cache.size(3) * 2 == D && residual_k.size(3) == D && residual_k.size(2) == BS,
               "head layout mismatch");
   auto out = torch::empty_like(q);
+#ifdef PDSERVE_HAVE_AVX512BF16
+  if (decode_int4_fast_path(q.scalar_type() == torch::kBFloat16, H, KVH, D, BS)) {
+    with_shape(H / KVH, D, [&](auto d, auto g) {
+      decode_int4_avx512<decltype(d)::value, decltype(g)::value>(
+          q.data_ptr<at::BFloat16>(), k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(), k_scale.data_ptr<at::Half>(),
+          k_zero.data_ptr<at::Half>(), v_scale.data_ptr<at::Half>(), v_zero.data_ptr<at::Half>(),
+          residual_k.data_ptr<at::BFloat16>(), residual_v.data_ptr<at::BFloat16>(), residual_slot.data_ptr<int32_t>(),
+          table.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), B, H, KVH, NB, BS, R,
+          table.size(1), static_cast<float>(scale));
+    });
+    return out;
+  }
+#endif
   const auto run = [&](auto zero) {
     using T = decltype(zero);
     const Int4Rows<T> rows{k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(), k_scale.data_ptr<at::Half>(),
@@ -1097,5 +1313,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         no_scale("v_scale"));
   m.def("paged_decode_int4", &paged_decode_int4, "paged decode attention over an int4 (KIVI) cache (CPU)");
   m.def("decode_fast_path", &decode_fast_path, "whether paged_decode has an AVX-512 BF16 path for (bf16, H, KVH, D)");
+  m.def("decode_int4_fast_path", &decode_int4_fast_path,
+        "whether paged_decode_int4 has an AVX-512 BF16 path for (bf16, H, KVH, D, BS)");
   m.def("prefill_fast_path", &prefill_fast_path, "whether paged_prefill has a fast path for (bf16, H, KVH, D, BS)");
 }
