@@ -178,8 +178,8 @@ class CpuPagedAttention(TorchAttention):
         shape = f"head_dim {head_dim}, {num_heads // kvh} query heads per kv head"
         fast = bool(self._kernel.decode_int4_fast_path(bf16, num_heads, kvh, head_dim, block_size))
         decode = f"C++ AVX-512 BF16, int4 KV ({shape})" if fast else "C++ portable loop, int4 KV"
-        prefill = "torch reference (int4)"
-        why = "int4 prefill runs the torch reference"
+        prefill = f"C++ AVX-512 BF16 flash, int4 KV ({shape})" if fast else "torch reference (int4)"
+        why = None
         if not fast:
             if not self._kernel.decode_int4_fast_path(True, 9, 3, 64, 16):
                 why = "this CPU or compiler has no AVX-512 BF16"
@@ -221,12 +221,17 @@ class CpuPagedAttention(TorchAttention):
 
     def prefill(self, q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
         m = meta
-        if not cache.is_int4 and m.prefill_block_table is not None and m.prefill_context_lens is not None:
+        if m.prefill_block_table is not None and m.prefill_context_lens is not None:
             assert m.prefill_query_starts is not None and m.prefill_query_lens is not None
             longest = max(p.query_len for p in m.prefills)
-            if self._plan.prefill_kernel(longest) == "cpp" and self._kernel.paged_prefill(
-                q, cache.k, cache.v, m.prefill_block_table, m.prefill_query_starts, m.prefill_query_lens,
-                m.prefill_context_lens, scale, out, cache.k_scale, cache.v_scale,
+            args = (m.prefill_block_table, m.prefill_query_starts, m.prefill_query_lens, m.prefill_context_lens, scale, out)
+            if self._plan.prefill_kernel(longest) == "cpp" and (
+                self._kernel.paged_prefill_int4(
+                    q, cache.k, cache.v, cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero,
+                    cache.residual_k, cache.residual_v, cache.residual_slot, *args,
+                )
+                if cache.is_int4
+                else self._kernel.paged_prefill(q, cache.k, cache.v, *args, cache.k_scale, cache.v_scale)
             ):
                 return
         super().prefill(q, k, v, cache, meta, scale, out)

@@ -1079,6 +1079,216 @@ void quantize_into(const In* x, int64_t D, C* dst, float* scale) {
   quantize_row(x, D, dst, scale);
 }
 
+
+#ifdef PDSERVE_HAVE_AVX512BF16
+// What an open block reads as once sealed, exactly as kv/int4.py quantizes it (the oracle: zero = min and
+// scale = (max - min) / 15 rounded to float16, codes round((x - zero) / scale) to even in [0, 15]),
+// dequantized to bf16 as the reference reads it: rows [BS, D] of K (per channel) or V (per token) in, out.
+void seal_open_rows(const at::BFloat16* x, int64_t BS, int64_t D, bool per_channel, at::BFloat16* out) {
+  const int64_t groups = per_channel ? D : BS, len = per_channel ? BS : D;
+  const auto idx = [&](int64_t grp, int64_t i) { return per_channel ? i * D + grp : grp * D + i; };
+  for (int64_t grp = 0; grp < groups; ++grp) {
+    float lo = to_float(x[idx(grp, 0)]), hi = lo;
+    for (int64_t i = 1; i < len; ++i) lo = std::min(lo, to_float(x[idx(grp, i)])), hi = std::max(hi, to_float(x[idx(grp, i)]));
+    const float zero = static_cast<float>(at::Half(lo));
+    const float s = static_cast<float>(at::Half(exact_div(hi - zero, 15.f)));
+    const float inv = s > 0.f ? exact_div(1.f, s) : 0.f;
+    for (int64_t i = 0; i < len; ++i) {
+      const float code = std::min(15.f, std::max(0.f, std::nearbyint((to_float(x[idx(grp, i)]) - zero) * inv)));
+      out[idx(grp, i)] = at::BFloat16(code * s + zero);
+    }
+  }
+}
+
+// (lo[i], hi[i]) pairs from a vector whose lanes 0..15 are lo and 16..31 hi: lane 2i <- i, 2i + 1 <- 16 + i.
+alignas(64) constexpr int16_t kNibblePairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                  8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+// 32 dequantized int4 values in order (16 packed bytes; element 2i is byte i's low nibble), x = n * s + z
+// with scale and zero per element (s_even, z_even for elements 2i; s_odd, z_odd for 2i + 1), as bf16.
+inline __m512i int4_bf16x32(const uint8_t* p, __m512 s_even, __m512 z_even, __m512 s_odd, __m512 z_odd) {
+  const __m512 nib = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i pairs = _mm512_load_si512(kNibblePairs);
+  const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512 lo = _mm512_fmadd_ps(_mm512_permutexvar_ps(w, nib), s_even, z_even);
+  const __m512 hi = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), nib), s_odd, z_odd);
+  return _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+// Causal prefill over an int4 (KIVI) cache: prefill_avx512's tiles (16 query rows in the lanes, 16 keys
+// at a time, lane-wise online softmax, BF16 dot products), with what a decode at each query's position
+// reads (torch_ref._prefill_int4): the blocks before the query's own as sealed, its own block unquantized.
+// Each 16-key chunk is converted to bf16 (exact for open rows; sealed ones dequantized, n * s + z rounded
+// to bf16 as the reference rounds them, up to an FMA's rounding). A chunk of an open block that some rows
+// of the tile see as sealed and others as their own runs twice, once per version, each lane masked to
+// the rows that read it; the sealed version of open blocks is made once per call (seal_open_rows) into
+// `sealed` [KVH, n, BS, D] bf16, `sealed_index[block]` naming its row.
+template <int D, int G>
+void prefill_int4_avx512(const at::BFloat16* q, const uint8_t* k_cache, const uint8_t* v_cache, const at::Half* k_scale,
+                         const at::Half* k_zero, const at::Half* v_scale, const at::Half* v_zero,
+                         const at::BFloat16* res_k, const at::BFloat16* res_v, const int32_t* res_slot,
+                         const at::BFloat16* sealed_k, const at::BFloat16* sealed_v, const int32_t* sealed_index,
+                         int64_t num_sealed, const int64_t* tables, int64_t max_blocks, const int64_t* q_start,
+                         const int64_t* q_len, const int64_t* ctx, int64_t P, at::BFloat16* out, int64_t H, int64_t KVH,
+                         int64_t NB, int64_t BS, int64_t R, float scale, int64_t q_row, int64_t out_row) {
+  constexpr int64_t QT = 16, D2 = D / 2;
+  struct Item { int64_t p, h, r0; };
+  std::vector<Item> items;
+  std::vector<int64_t> costs;
+  for (int64_t p = 0; p < P; ++p)
+    for (int64_t h = 0; h < KVH; ++h)
+      for (int64_t r0 = 0; r0 < q_len[p]; r0 += QT) {
+        items.push_back({p, h, r0});
+        costs.push_back(ctx[p] - q_len[p] + std::min(r0 + QT, q_len[p]) + 64);
+      }
+  const __m512 scale2 = _mm512_set1_ps(scale * 1.44269504088896341f);
+  const __m512 neg_big = _mm512_set1_ps(-1e30f);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i even = _mm512_mullo_epi32(lane, _mm512_set1_epi32(2)), odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  alignas(64) int16_t il_lo[32], il_hi[32], p_il[32];
+  for (int i = 0; i < 16; ++i) {
+    il_lo[2 * i] = i, il_lo[2 * i + 1] = 32 + i;
+    il_hi[2 * i] = 16 + i, il_hi[2 * i + 1] = 48 + i;
+    p_il[2 * i] = i, p_il[2 * i + 1] = 16 + i;
+  }
+  const __m512i vlo = _mm512_load_si512(il_lo), vhi = _mm512_load_si512(il_hi), pil = _mm512_load_si512(p_il);
+  for_each_costed(costs, [&](int64_t it) {
+    const Item& item = items[it];
+    const int64_t p = item.p, h = item.h, r0 = item.r0;
+    const int64_t rows = std::min(QT, q_len[p] - r0), first_pos = ctx[p] - q_len[p] + r0, last_pos = first_pos + rows - 1;
+    const int64_t* blocks = tables + p * max_blocks;
+    alignas(64) int32_t kconv[8 * D];  // the chunk's 16 keys as bf16 pairs
+    alignas(64) int32_t qt[G][D / 2][QT];
+    alignas(64) float acc[G][D][QT];
+    alignas(64) int32_t vi[8][D];
+    __m512 m[G], l[G];
+    const __mmask16 row_mask = static_cast<__mmask16>((1u << rows) - 1u);
+    const __m512i pos = _mm512_min_epi32(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(first_pos)), lane),
+                                         _mm512_set1_epi32(static_cast<int32_t>(last_pos)));
+    const __m512i q_rows = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(q_row / 2)));
+    for (int g = 0; g < G; ++g) {
+      const int32_t* q0 = reinterpret_cast<const int32_t*>(q + (q_start[p] + r0) * q_row + (h * G + g) * D);
+      for (int pr = 0; pr < D / 2; ++pr)
+        _mm512_store_si512(qt[g][pr], _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), row_mask,
+                                                                   _mm512_add_epi32(q_rows, _mm512_set1_epi32(pr)), q0, 4));
+      for (int d = 0; d < D; ++d) _mm512_store_ps(acc[g][d], _mm512_setzero_ps());
+      m[g] = neg_big, l[g] = _mm512_setzero_ps();
+    }
+    // One pass over the chunk in kconv / vi: row lanes attend key j0 + t iff lo <= pos, j0 + t <= pos, pos < hi.
+    const auto attend = [&](int64_t j0, int64_t nk, int64_t lo, int64_t hi) {
+      __mmask16 see[16];
+      for (int t = 0; t < 16; ++t) {
+        const int64_t from = std::max(lo, j0 + t);
+        see[t] = t < nk ? static_cast<__mmask16>(_mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(from))) &
+                                                 _mm512_cmplt_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(std::min<int64_t>(hi, INT32_MAX)))))
+                        : static_cast<__mmask16>(0);
+      }
+      for (int g = 0; g < G; ++g) {
+        __m512 s[16];
+        for (int t = 0; t < 16; ++t) s[t] = _mm512_setzero_ps();
+        for (int pr = 0; pr < D / 2; ++pr) {
+          const __m512bh qv = (__m512bh)_mm512_load_si512(qt[g][pr]);
+          for (int t = 0; t < 16; ++t) s[t] = _mm512_dpbf16_ps(s[t], qv, (__m512bh)_mm512_set1_epi32(kconv[t * (D / 2) + pr]));
+        }
+        __m512 mx = neg_big;
+        for (int t = 0; t < 16; ++t) {
+          s[t] = _mm512_mask_mov_ps(neg_big, see[t], _mm512_mul_ps(s[t], scale2));
+          mx = _mm512_max_ps(mx, s[t]);
+        }
+        const __m512 m_new = _mm512_max_ps(m[g], mx);
+        const __m512 alpha = exp2_ps(_mm512_sub_ps(m[g], m_new));
+        m[g] = m_new;
+        __m512 sum = _mm512_setzero_ps();
+        for (int t = 0; t < 16; ++t) {  // masked lanes to zero: a row may see no key of this pass
+          s[t] = _mm512_maskz_mov_ps(see[t], exp2_ps(_mm512_sub_ps(s[t], m_new)));
+          sum = _mm512_add_ps(sum, s[t]);
+        }
+        l[g] = _mm512_fmadd_ps(l[g], alpha, sum);
+        __m512bh pp[8];
+        for (int tp = 0; tp < 8; ++tp)
+          pp[tp] = (__m512bh)_mm512_permutexvar_epi16(pil, (__m512i)_mm512_cvtne2ps_pbh(s[2 * tp + 1], s[2 * tp]));
+        for (int dc = 0; dc < D; dc += 16) {
+          __m512 a[16];
+          for (int k = 0; k < 16; ++k) a[k] = _mm512_mul_ps(_mm512_load_ps(acc[g][dc + k]), alpha);
+          for (int tp = 0; tp < 8; ++tp)
+            for (int k = 0; k < 16; ++k) a[k] = _mm512_dpbf16_ps(a[k], pp[tp], (__m512bh)_mm512_set1_epi32(vi[tp][dc + k]));
+          for (int k = 0; k < 16; ++k) _mm512_store_ps(acc[g][dc + k], a[k]);
+        }
+      }
+    };
+    // V of 16 keys (32 bf16 per 32 dims from row_v(t, c); keys past nk zero) interleaved by key pairs into vi.
+    const auto interleave_v = [&](int64_t nk, const auto& row_v) {
+      for (int tp = 0; tp < 8; ++tp)
+        for (int c = 0; c < D / 32; ++c) {
+          const __m512i a = 2 * tp < nk ? row_v(2 * tp, c) : _mm512_setzero_si512();
+          const __m512i b = 2 * tp + 1 < nk ? row_v(2 * tp + 1, c) : _mm512_setzero_si512();
+          _mm512_store_si512(vi[tp] + 32 * c, _mm512_permutex2var_epi16(a, vlo, b));
+          _mm512_store_si512(vi[tp] + 32 * c + 16, _mm512_permutex2var_epi16(a, vhi, b));
+        }
+    };
+    // A chunk from bf16 rows (the residual pool, or the sealed version of an open block).
+    const auto load_bf16 = [&](const at::BFloat16* kr, const at::BFloat16* vr, int64_t nk) {
+      for (int t = 0; t < 16; ++t)
+        for (int c = 0; c < D / 32; ++c)
+          _mm512_store_si512(kconv + t * (D / 2) + 16 * c, _mm512_loadu_si512(kr + t * D + 32 * c));
+      interleave_v(nk, [&](int t, int c) { return _mm512_loadu_si512(vr + t * D + 32 * c); });
+    };
+    const int64_t num_keys = last_pos + 1;
+    for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
+      const int64_t kb = j0 / BS, blk = blocks[kb], off = j0 % BS, block_end = (kb + 1) * BS;
+      const int64_t nk = std::min<int64_t>(16, num_keys - j0);
+      const int32_t slot = res_slot[blk];
+      if (slot < 0) {  // sealed: dequantized in place, one pass under the causal mask
+        const uint8_t* kp = k_cache + ((h * NB + blk) * BS + off) * D2;
+        const uint8_t* vp = v_cache + ((h * NB + blk) * BS + off) * D2;
+        const at::Half* ksb = k_scale + (h * NB + blk) * D;
+        const at::Half* kzb = k_zero + (h * NB + blk) * D;
+        for (int c = 0; c < D / 32; ++c) {
+          const auto half16 = [](const at::Half* x) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))); };
+          const __m512 s0 = half16(ksb + 32 * c), s1 = half16(ksb + 32 * c + 16);
+          const __m512 z0 = half16(kzb + 32 * c), z1 = half16(kzb + 32 * c + 16);
+          const __m512 se = _mm512_permutex2var_ps(s0, even, s1), so = _mm512_permutex2var_ps(s0, odd, s1);
+          const __m512 ze = _mm512_permutex2var_ps(z0, even, z1), zo = _mm512_permutex2var_ps(z0, odd, z1);
+          for (int t = 0; t < 16; ++t)
+            _mm512_store_si512(kconv + t * (D / 2) + 16 * c, int4_bf16x32(kp + t * D2 + 16 * c, se, ze, so, zo));
+        }
+        const at::Half* vsb = v_scale + (h * NB + blk) * BS + off;
+        const at::Half* vzb = v_zero + (h * NB + blk) * BS + off;
+        interleave_v(nk, [&](int t, int c) {
+          const __m512 s = _mm512_set1_ps(static_cast<float>(vsb[t])), z = _mm512_set1_ps(static_cast<float>(vzb[t]));
+          return int4_bf16x32(vp + t * D2 + 16 * c, s, z, s, z);
+        });
+        attend(j0, nk, 0, INT64_MAX);
+        continue;
+      }
+      if (last_pos >= block_end) {  // rows past this block read it as sealed
+        const int64_t row0 = (h * num_sealed + sealed_index[blk]) * BS + off;
+        load_bf16(sealed_k + row0 * D, sealed_v + row0 * D, nk);
+        attend(j0, nk, block_end, INT64_MAX);
+      }
+      if (first_pos < block_end) {  // rows in this block read it unquantized
+        const int64_t row0 = (h * R + slot) * BS + off;
+        load_bf16(res_k + row0 * D, res_v + row0 * D, nk);
+        attend(j0, nk, 0, block_end);
+      }
+    }
+    const __m512i dim_rows = _mm512_mullo_epi32(lane, _mm512_set1_epi32(QT));
+    for (int g = 0; g < G; ++g) {
+      alignas(64) float inv[QT];
+      _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l[g]));
+      for (int64_t i = 0; i < rows; ++i) {
+        at::BFloat16* o = out + (q_start[p] + r0 + i) * out_row + (h * G + g) * D;
+        const __m512 vinv = _mm512_set1_ps(inv[i]);
+        for (int c = 0; c < D / 16; ++c) {
+          const __m512 v = _mm512_i32gather_ps(_mm512_add_epi32(dim_rows, _mm512_set1_epi32(static_cast<int32_t>(16 * c * QT + i))), &acc[g][0][0], 4);
+          store_bf16x16(o + 16 * c, _mm512_mul_ps(v, vinv));
+        }
+      }
+    }
+  });
+}
+#endif
+
 }  // namespace
 
 // Whether paged_decode / paged_prefill take their AVX-512 BF16 path for these shapes (bf16 queries and a
@@ -1299,6 +1509,75 @@ torch::Tensor paged_decode_int4(torch::Tensor q, torch::Tensor k_cache, torch::T
   return out;
 }
 
+
+// Causal prefill attention over an int4 (KIVI) cache, as paged_prefill (q, out bf16 [T, H, D], rows may be
+// strided) with the cache tensors of paged_decode_int4 (residual pool bf16, blocks of a multiple of 16
+// tokens). Each query reads the blocks before its own as sealed (open ones quantized on the fly, as
+// kv/int4.py seals them) and its own block unquantized. Returns false (nothing done) where this build or
+// these shapes have no fast path.
+bool paged_prefill_int4(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k_scale,
+                        torch::Tensor k_zero, torch::Tensor v_scale, torch::Tensor v_zero, torch::Tensor residual_k,
+                        torch::Tensor residual_v, torch::Tensor residual_slot, torch::Tensor tables,
+                        torch::Tensor q_start, torch::Tensor q_len, torch::Tensor ctx, double scale, torch::Tensor out) {
+#ifdef PDSERVE_HAVE_AVX512BF16
+  const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(0), NB = k_cache.size(1), BS = k_cache.size(2);
+  const int64_t R = residual_k.size(1);
+  const auto rows_ok = [&](const torch::Tensor& t) { return t.stride(2) == 1 && t.stride(1) == D && t.stride(0) % 2 == 0; };
+  const bool bf16 = q.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16 &&
+                    residual_k.scalar_type() == torch::kBFloat16;
+  if (!decode_int4_fast_path(bf16, H, KVH, D, BS) || !rows_ok(q) || !rows_ok(out)) return false;
+  TORCH_CHECK(k_cache.scalar_type() == torch::kByte && k_scale.scalar_type() == torch::kHalf &&
+                  residual_slot.scalar_type() == torch::kInt && residual_v.scalar_type() == torch::kBFloat16,
+              "int4 cache: uint8 packed rows, float16 scales, int32 slots, residual in bf16");
+  for (const auto& t : {k_cache, v_cache, k_scale, k_zero, v_scale, v_zero, residual_k, residual_v, residual_slot})
+    TORCH_CHECK(t.is_contiguous(), "int4 cache tensors must be contiguous");
+  TORCH_CHECK(k_cache.size(3) * 2 == D && residual_k.size(3) == D && residual_k.size(2) == BS, "head layout mismatch");
+  tables = tables.to(torch::kInt64).contiguous();
+  q_start = q_start.to(torch::kInt64).contiguous();
+  q_len = q_len.to(torch::kInt64).contiguous();
+  ctx = ctx.to(torch::kInt64).contiguous();
+  const int64_t P = tables.size(0), max_blocks = tables.size(1);
+  const int64_t* tab = tables.data_ptr<int64_t>();
+  const int64_t* cl = ctx.data_ptr<int64_t>();
+  const int32_t* slot = residual_slot.data_ptr<int32_t>();
+  // Open blocks some query reads as sealed (every block before a sequence's last query's own), once each.
+  std::vector<int32_t> sealed_index(NB, -1);
+  std::vector<int64_t> open_ids;
+  for (int64_t p = 0; p < P; ++p)
+    for (int64_t kb = 0; kb < (cl[p] - 1) / BS; ++kb) {
+      const int64_t blk = tab[p * max_blocks + kb];
+      if (slot[blk] >= 0 && sealed_index[blk] < 0) {
+        sealed_index[blk] = static_cast<int32_t>(open_ids.size());
+        open_ids.push_back(blk);
+      }
+    }
+  const int64_t n = static_cast<int64_t>(open_ids.size());
+  auto sealed_k = torch::empty({KVH, std::max<int64_t>(n, 1), BS, D}, residual_k.options());
+  auto sealed_v = torch::empty_like(sealed_k);
+  const at::BFloat16* rk = residual_k.data_ptr<at::BFloat16>();
+  const at::BFloat16* rv = residual_v.data_ptr<at::BFloat16>();
+  at::BFloat16* sk = sealed_k.data_ptr<at::BFloat16>();
+  at::BFloat16* sv = sealed_v.data_ptr<at::BFloat16>();
+  at::parallel_for(0, KVH * n, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t h = i / n, j = i % n, src = (h * R + slot[open_ids[j]]) * BS * D, dst = (h * n + j) * BS * D;
+      seal_open_rows(rk + src, BS, D, true, sk + dst);
+      seal_open_rows(rv + src, BS, D, false, sv + dst);
+    }
+  });
+  with_shape(H / KVH, D, [&](auto d, auto g) {
+    prefill_int4_avx512<decltype(d)::value, decltype(g)::value>(
+        q.data_ptr<at::BFloat16>(), k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(), k_scale.data_ptr<at::Half>(),
+        k_zero.data_ptr<at::Half>(), v_scale.data_ptr<at::Half>(), v_zero.data_ptr<at::Half>(), rk, rv, slot, sk, sv,
+        sealed_index.data(), n, tab, max_blocks, q_start.data_ptr<int64_t>(), q_len.data_ptr<int64_t>(), cl, P,
+        out.data_ptr<at::BFloat16>(), H, KVH, NB, BS, R, static_cast<float>(scale), q.stride(0), out.stride(0));
+  });
+  return true;
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   const auto no_scale = [](const char* name) { return py::arg(name) = py::none(); };
@@ -1312,6 +1591,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), no_scale("k_scale"),
         no_scale("v_scale"));
   m.def("paged_decode_int4", &paged_decode_int4, "paged decode attention over an int4 (KIVI) cache (CPU)");
+  m.def("paged_prefill_int4", &paged_prefill_int4, "paged causal prefill attention over an int4 (KIVI) cache (CPU, bf16)");
   m.def("decode_fast_path", &decode_fast_path, "whether paged_decode has an AVX-512 BF16 path for (bf16, H, KVH, D)");
   m.def("decode_int4_fast_path", &decode_int4_fast_path,
         "whether paged_decode_int4 has an AVX-512 BF16 path for (bf16, H, KVH, D, BS)");
