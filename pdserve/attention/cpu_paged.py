@@ -32,11 +32,12 @@ takes a microcode assist (reported ~3x on a decode step, bf16 included; to be re
 host). The flush is in the kernel rather than FTZ/DAZ in MXCSR, which is per thread (to be set and
 restored on every pool thread per call) and would change torch's own float math on those threads.
 
-An int4 cache (KIVI, kv/int4.py) decodes through `paged_decode_int4`, a portable loop that reads sealed
-blocks' packed 4-bit rows in place (dequantized per block into float, keys by channel, values by
-token) and open blocks from the residual pool; its writes and prefills are the torch reference's
-(the residual pool is unquantized, and the reference prefill reads what a decode would at every query
-position). Not timed by `autotune` (one candidate per phase).
+An int4 cache (KIVI, kv/int4.py) decodes through `paged_decode_int4` and prefills through
+`paged_prefill_int4`: AVX-512 BF16 kernels for the fast shapes (blocks of a multiple of 16) that read
+sealed blocks' packed nibbles in place (key channel scales folded into the query once per block, value
+scales into the probabilities) and open blocks from the residual pool; elsewhere a portable decode loop
+and the reference's prefill. Writes are the torch reference's (they only fill the unquantized residual
+pool). Not timed by `autotune` (one candidate per phase).
 
 Under `--attention-backend auto` the engine calls `autotune`, which times each phase's C++ kernel
 against the reference's (decode: gather + bmm; prefill: SDPA) on the model's shapes and sets an
@@ -141,7 +142,7 @@ class CpuPagedAttention(TorchAttention):
 
     def supports_kv_dtype(self, kv_dtype: str) -> bool:
         """The kernels read bf16 and float32 caches, and int8 / fp8 e4m3 ones in place (the storage dtype's
-        name as the engine resolves it), and int4 (decode in C++, writes and prefill the reference's); not
+        name as the engine resolves it), and int4 (decode and prefill in C++, writes the reference's); not
         float16 (no fp16 queries), where the engine uses the reference."""
         return kv_dtype in ("bfloat16", "float32", "int8", "fp8_e4m3", "int4")
 
