@@ -98,7 +98,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--contexts", default="256,1024,2048,4096,8192")
     ap.add_argument("--batches", default="1,16,64")
-    ap.add_argument("--kv-dtypes", default="bfloat16,int8,fp8_e4m3")
+    ap.add_argument("--kv-dtypes", default="bfloat16,int8,fp8_e4m3,int4")
     ap.add_argument("--steps", type=int, default=8, help="decode steps timed per point (median)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--attention-backend", default="auto")
@@ -136,7 +136,10 @@ def main() -> None:
         attn.warmup(cache.layers[0], cfg.num_heads)
         backends[kv_dtype] = attn.name
         runner = ModelRunner(eng.model, cache, attn, eng.device)
-        print(f"{kv_dtype}: {layout.describe()}; {num_blocks} blocks, {cache.nbytes / 2**30:.2f} GiB; attention {attn.name}")
+        paths = getattr(attn, "kernel_paths", None)  # cpu-paged names the kernels it runs for this cache
+        kernels = f" (decode {paths(cache.layers[0], cfg.num_heads)[0]})" if paths else ""
+        print(f"{kv_dtype}: {layout.describe()}; {num_blocks} blocks, {cache.nbytes / 2**30:.2f} GiB; "
+              f"attention {attn.name}{kernels}")
         for b, c in fits:
             rows[(b, c)][kv_dtype] = time_point(runner, b, c, args.steps, args.block_size)
         del runner, cache

@@ -32,11 +32,12 @@ takes a microcode assist (reported ~3x on a decode step, bf16 included; to be re
 host). The flush is in the kernel rather than FTZ/DAZ in MXCSR, which is per thread (to be set and
 restored on every pool thread per call) and would change torch's own float math on those threads.
 
-An int4 cache (KIVI, kv/int4.py) decodes through `paged_decode_int4`, a portable loop that reads sealed
-blocks' packed 4-bit rows in place (dequantized per block into float, keys by channel, values by
-token) and open blocks from the residual pool; its writes and prefills are the torch reference's
-(the residual pool is unquantized, and the reference prefill reads what a decode would at every query
-position). Not timed by `autotune` (one candidate per phase).
+An int4 cache (KIVI, kv/int4.py) decodes through `paged_decode_int4` and prefills through
+`paged_prefill_int4`: AVX-512 BF16 kernels for the fast shapes (blocks of a multiple of 16) that read
+sealed blocks' packed nibbles in place (key channel scales folded into the query once per block, value
+scales into the probabilities) and open blocks from the residual pool; elsewhere a portable decode loop
+and the reference's prefill. Writes are the torch reference's (they only fill the unquantized residual
+pool). Not timed by `autotune` (one candidate per phase).
 
 Under `--attention-backend auto` the engine calls `autotune`, which times each phase's C++ kernel
 against the reference's (decode: gather + bmm; prefill: SDPA) on the model's shapes and sets an
@@ -141,7 +142,7 @@ class CpuPagedAttention(TorchAttention):
 
     def supports_kv_dtype(self, kv_dtype: str) -> bool:
         """The kernels read bf16 and float32 caches, and int8 / fp8 e4m3 ones in place (the storage dtype's
-        name as the engine resolves it), and int4 (decode in C++, writes and prefill the reference's); not
+        name as the engine resolves it), and int4 (decode and prefill in C++, writes the reference's); not
         float16 (no fp16 queries), where the engine uses the reference."""
         return kv_dtype in ("bfloat16", "float32", "int8", "fp8_e4m3", "int4")
 
@@ -149,7 +150,7 @@ class CpuPagedAttention(TorchAttention):
         """(decode path, prefill path, why either is not the fast one or None) for a model's cache (the
         fast paths of a quantized cache assume bf16 queries, as a model with such a cache runs)."""
         if cache.is_int4:
-            return "C++ portable loop, int4 KV", "torch reference (int4)", "int4 has no AVX-512 kernels yet"
+            return self._int4_kernel_paths(cache, num_heads)
         k_cache = cache.k
         kvh, _, block_size, head_dim = k_cache.shape
         label = _FAST_CACHE_DTYPES.get(k_cache.dtype)
@@ -167,6 +168,25 @@ class CpuPagedAttention(TorchAttention):
             elif not fast:
                 why = f"the cache is {k_cache.dtype}, the fast kernels read bf16, int8 and fp8 e4m3"
             elif not fast_decode:
+                why = f"{shape} is outside the fast kernels' head_dim 64/128 and 1-8 heads per kv head"
+            else:
+                why = f"block size {block_size} is not a multiple of 16"
+        return decode, prefill, why
+
+    def _int4_kernel_paths(self, cache: LayerCache, num_heads: int) -> tuple[str, str, str | None]:
+        kvh, _, block_size, head_dim = cache.residual_k.shape  # type: ignore[union-attr]
+        bf16 = cache.residual_k.dtype == torch.bfloat16  # type: ignore[union-attr]
+        shape = f"head_dim {head_dim}, {num_heads // kvh} query heads per kv head"
+        fast = bool(self._kernel.decode_int4_fast_path(bf16, num_heads, kvh, head_dim, block_size))
+        decode = f"C++ AVX-512 BF16, int4 KV ({shape})" if fast else "C++ portable loop, int4 KV"
+        prefill = f"C++ AVX-512 BF16 flash, int4 KV ({shape})" if fast else "torch reference (int4)"
+        why = None
+        if not fast:
+            if not self._kernel.decode_int4_fast_path(True, 9, 3, 64, 16):
+                why = "this CPU or compiler has no AVX-512 BF16"
+            elif not bf16:
+                why = f"the residual pool is {cache.residual_k.dtype}, the fast int4 decode reads bf16"  # type: ignore[union-attr]
+            elif not self._kernel.decode_fast_path(True, num_heads, kvh, head_dim):
                 why = f"{shape} is outside the fast kernels' head_dim 64/128 and 1-8 heads per kv head"
             else:
                 why = f"block size {block_size} is not a multiple of 16"
@@ -202,12 +222,17 @@ class CpuPagedAttention(TorchAttention):
 
     def prefill(self, q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
         m = meta
-        if not cache.is_int4 and m.prefill_block_table is not None and m.prefill_context_lens is not None:
+        if m.prefill_block_table is not None and m.prefill_context_lens is not None:
             assert m.prefill_query_starts is not None and m.prefill_query_lens is not None
             longest = max(p.query_len for p in m.prefills)
-            if self._plan.prefill_kernel(longest) == "cpp" and self._kernel.paged_prefill(
-                q, cache.k, cache.v, m.prefill_block_table, m.prefill_query_starts, m.prefill_query_lens,
-                m.prefill_context_lens, scale, out, cache.k_scale, cache.v_scale,
+            args = (m.prefill_block_table, m.prefill_query_starts, m.prefill_query_lens, m.prefill_context_lens, scale, out)
+            if self._plan.prefill_kernel(longest) == "cpp" and (
+                self._kernel.paged_prefill_int4(
+                    q, cache.k, cache.v, cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero,
+                    cache.residual_k, cache.residual_v, cache.residual_slot, *args,
+                )
+                if cache.is_int4
+                else self._kernel.paged_prefill(q, cache.k, cache.v, *args, cache.k_scale, cache.v_scale)
             ):
                 return
         super().prefill(q, k, v, cache, meta, scale, out)

@@ -110,100 +110,62 @@ void for_each_item(const int64_t* ctx, int64_t B, int64_t KVH, const F& fn) {
   for_each_costed(costs, fn);
 }
 
-// The portable loop: queries T (bf16 or float), cache values C (T, or int8 / fp8 with the per-row scales
-// k_scale, v_scale [KVH, NB, BS]; nullptr for an unquantized cache). Each block's rows are converted to
-// float (times their scale) once, then dotted with every query head of the group.
-template <typename T, typename C>
-void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const float* k_scale, const float* v_scale,
-                   const int64_t* table, const int64_t* ctx, T* out, int64_t B, int64_t H, int64_t D, int64_t KVH,
-                   int64_t NB, int64_t BS, int64_t max_blocks, float scale) {
-  const int64_t G = H / KVH;
-  // One block's rows as float, scaled when the cache is quantized.
-  const auto load_rows = [&](float* rows, const C* src, const float* row_scale, int64_t n) {
+// Row loaders of the portable loop: load(rows, is_v, h, blk, n) writes the first n rows of block blk of
+// kv head h (is_v: the V side, else K) as float into rows [n, D]. A policy per cache layout keeps one
+// skeleton (decode_kernel) for every dtype.
+//
+// ScaledRows: bf16 / float32 rows as they are, or int8 / fp8 with their per-row scales k_scale, v_scale
+// [KVH, NB, BS] (nullptr for an unquantized cache), each value times its row's scale.
+template <typename C>
+struct ScaledRows {
+  const C* k;
+  const C* v;
+  const float* k_scale;
+  const float* v_scale;
+  int64_t NB, BS, D;
+  void load(float* rows, bool is_v, int64_t h, int64_t blk, int64_t n) const {
+    const int64_t row0 = (h * NB + blk) * BS;
+    const C* src = (is_v ? v : k) + row0 * D;
+    const float* row_scale = is_v ? v_scale : k_scale;
     for (int64_t t = 0; t < n; ++t) {
-      const float s = row_scale ? row_scale[t] : 1.f;
+      const float s = row_scale ? row_scale[row0 + t] : 1.f;
       for (int64_t d = 0; d < D; ++d) rows[t * D + d] = to_float(src[t * D + d]) * s;
     }
-  };
-  for_each_item(ctx, B, KVH, [&](int64_t idx) {
-    thread_local std::vector<float> qf, acc, scores, rows;
-    qf.resize(G * D), acc.resize(G * D), rows.resize(BS * D);
-    {
-      const int64_t b = idx / KVH, h = idx % KVH, L = ctx[b];
-      const int64_t* blocks = table + b * max_blocks;
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(q[(b * H + h * G + g) * D + d]) * scale;
-      scores.resize(G * L);
-      const C* kh = k_cache + h * NB * BS * D;
-      const C* vh = v_cache + h * NB * BS * D;
-      const float* ksh = k_scale ? k_scale + h * NB * BS : nullptr;
-      const float* vsh = v_scale ? v_scale + h * NB * BS : nullptr;
-      for (int64_t t0 = 0; t0 < L; t0 += BS) {  // one block at a time: BS contiguous rows
-        const int64_t n = std::min(BS, L - t0), blk = blocks[t0 / BS];
-        load_rows(rows.data(), kh + blk * BS * D, ksh ? ksh + blk * BS : nullptr, n);
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qf.data() + g * D;
-          float* sg = scores.data() + g * L + t0;
-          for (int64_t t = 0; t < n; ++t) {
-            const float* r = rows.data() + t * D;
-            float s = 0.f;
-#pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < D; ++d) s += qg[d] * r[d];
-            sg[t] = s;
-          }
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) softmax_inplace(scores.data() + g * L, L);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t0 = 0; t0 < L; t0 += BS) {
-        const int64_t n = std::min(BS, L - t0), blk = blocks[t0 / BS];
-        load_rows(rows.data(), vh + blk * BS * D, vsh ? vsh + blk * BS : nullptr, n);
-        for (int64_t g = 0; g < G; ++g) {
-          float* ag = acc.data() + g * D;
-          const float* sg = scores.data() + g * L + t0;
-          for (int64_t t = 0; t < n; ++t) {
-            const float p = sg[t];
-            const float* r = rows.data() + t * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ag[d] += p * r[d];
-          }
-        }
-      }
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) out[(b * H + h * G + g) * D + d] = static_cast<T>(acc[g * D + d]);
-    }
-  });
-}
+  }
+};
 
-
-// int4 in the KIVI layout (pdserve/kv/int4.py, kv/cache.py): a sealed block holds packed 4-bit rows
-// [BS, D / 2] (element 2i in the low nibble), keys with a float16 scale and zero per channel over the
-// block [D], values per token [BS]; an open block (residual_slot[block] >= 0) is read unquantized from
-// the residual pool [KVH, R, BS, D] in the query dtype. Each block's rows are dequantized to float once
-// per (request, kv head), then dotted with every query head of the group, as in decode_kernel.
+// Int4Rows: int4 in the KIVI layout (pdserve/kv/int4.py, kv/cache.py). A sealed block holds packed 4-bit
+// rows [BS, D / 2] (element 2i in the low nibble), keys with a float16 scale and zero per channel over
+// the block [D], values per token [BS]; an open block (res_slot[block] >= 0) is read unquantized from
+// the residual pool [KVH, R, BS, D] in the query dtype T.
 template <typename T>
-void decode_int4_kernel(const T* q, const uint8_t* k_cache, const uint8_t* v_cache, const at::Half* k_scale,
-                        const at::Half* k_zero, const at::Half* v_scale, const at::Half* v_zero, const T* res_k,
-                        const T* res_v, const int32_t* res_slot, const int64_t* table, const int64_t* ctx, T* out,
-                        int64_t B, int64_t H, int64_t D, int64_t KVH, int64_t NB, int64_t BS, int64_t R,
-                        int64_t max_blocks, float scale) {
-  const int64_t G = H / KVH, D2 = D / 2;
-  // Block `blk`'s first n rows of head h as float: from the residual pool when open, else dequantized
-  // (per_channel: keys, one scale/zero per dimension; otherwise values, one per token).
-  const auto load_rows = [&](float* rows, const uint8_t* packed, const at::Half* sc, const at::Half* ze,
-                             const T* res, bool per_channel, int64_t h, int64_t blk, int64_t n) {
+struct Int4Rows {
+  const uint8_t* k;
+  const uint8_t* v;
+  const at::Half* k_scale;
+  const at::Half* k_zero;
+  const at::Half* v_scale;
+  const at::Half* v_zero;
+  const T* res_k;
+  const T* res_v;
+  const int32_t* res_slot;
+  int64_t NB, BS, R, D;
+  void load(float* rows, bool is_v, int64_t h, int64_t blk, int64_t n) const {
     const int32_t slot = res_slot[blk];
     if (slot >= 0) {
-      const T* src = res + (h * R + slot) * BS * D;
+      const T* src = (is_v ? res_v : res_k) + (h * R + slot) * BS * D;
       for (int64_t i = 0; i < n * D; ++i) rows[i] = to_float(src[i]);
       return;
     }
-    const uint8_t* src = packed + (h * NB + blk) * BS * D2;
-    const int64_t group = (h * NB + blk) * (per_channel ? D : BS);
+    const int64_t D2 = D / 2;
+    const uint8_t* src = (is_v ? v : k) + (h * NB + blk) * BS * D2;
+    const at::Half* sc = is_v ? v_scale : k_scale;
+    const at::Half* ze = is_v ? v_zero : k_zero;
+    const int64_t group = (h * NB + blk) * (is_v ? BS : D);  // keys: one scale/zero per dim; values: per token
     for (int64_t t = 0; t < n; ++t) {
       float* r = rows + t * D;
       const uint8_t* b = src + t * D2;
-      if (per_channel) {
+      if (!is_v) {
         for (int64_t i = 0; i < D2; ++i) {
           r[2 * i] = static_cast<float>(b[i] & 15) * static_cast<float>(sc[group + 2 * i]) +
                      static_cast<float>(ze[group + 2 * i]);
@@ -218,7 +180,15 @@ void decode_int4_kernel(const T* q, const uint8_t* k_cache, const uint8_t* v_cac
         }
       }
     }
-  };
+  }
+};
+
+// The portable loop: queries T (bf16 or float), cache rows read through a loader (above). Each block's
+// rows are converted to float once per (request, kv head), then dotted with every query head of the group.
+template <typename T, typename Rows>
+void decode_kernel(const T* q, const Rows& rows_of, const int64_t* table, const int64_t* ctx, T* out, int64_t B,
+                   int64_t H, int64_t D, int64_t KVH, int64_t BS, int64_t max_blocks, float scale) {
+  const int64_t G = H / KVH;
   for_each_item(ctx, B, KVH, [&](int64_t idx) {
     thread_local std::vector<float> qf, acc, scores, rows;
     qf.resize(G * D), acc.resize(G * D), rows.resize(BS * D);
@@ -227,9 +197,9 @@ void decode_int4_kernel(const T* q, const uint8_t* k_cache, const uint8_t* v_cac
     for (int64_t g = 0; g < G; ++g)
       for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(q[(b * H + h * G + g) * D + d]) * scale;
     scores.resize(G * L);
-    for (int64_t t0 = 0; t0 < L; t0 += BS) {
-      const int64_t n = std::min(BS, L - t0), blk = blocks[t0 / BS];
-      load_rows(rows.data(), k_cache, k_scale, k_zero, res_k, true, h, blk, n);
+    for (int64_t t0 = 0; t0 < L; t0 += BS) {  // one block at a time: BS contiguous rows
+      const int64_t n = std::min(BS, L - t0);
+      rows_of.load(rows.data(), false, h, blocks[t0 / BS], n);
       for (int64_t g = 0; g < G; ++g) {
         const float* qg = qf.data() + g * D;
         float* sg = scores.data() + g * L + t0;
@@ -245,8 +215,8 @@ void decode_int4_kernel(const T* q, const uint8_t* k_cache, const uint8_t* v_cac
     for (int64_t g = 0; g < G; ++g) softmax_inplace(scores.data() + g * L, L);
     std::fill(acc.begin(), acc.end(), 0.f);
     for (int64_t t0 = 0; t0 < L; t0 += BS) {
-      const int64_t n = std::min(BS, L - t0), blk = blocks[t0 / BS];
-      load_rows(rows.data(), v_cache, v_scale, v_zero, res_v, false, h, blk, n);
+      const int64_t n = std::min(BS, L - t0);
+      rows_of.load(rows.data(), true, h, blocks[t0 / BS], n);
       for (int64_t g = 0; g < G; ++g) {
         float* ag = acc.data() + g * D;
         const float* sg = scores.data() + g * L + t0;
@@ -772,6 +742,203 @@ void prefill_avx512(const at::BFloat16* q, const typename R::T* k_cache, const t
     }
   });
 }
+
+// int4 (KIVI) decode with AVX-512 BF16, reading the packed nibbles in place (head_dim D 64 or 128, G query
+// heads per kv head, blocks of a multiple of 16 tokens). Sealed blocks:
+// - keys, one scale s_c and zero z_c per channel over the block: q.k = sum_c (q_c s_c) n_c + sum_c q_c z_c.
+//   Once per block the G query heads take the block's channel scales (G x D multiplies, rounded to bf16
+//   for the dot products: the reference rounds the dequantized keys to bf16 instead) and one constant per
+//   head (the zeros' share, in float); the nibbles become bf16 by a 32-entry table in one permute per 32
+//   values and go through the same BF16 dot products as a bf16 block.
+// - values, one scale s_t and zero z_t per token: p_t v_t = (p_t s_t) n_t + p_t z_t, so the scale is
+//   folded into p (as the int8 path does) and sum_t p_t z_t is one scalar per head, added to every dim at
+//   the end; the nibbles become float by a 16-entry table (vpermps) and enter float FMAs.
+// Open blocks (res_slot >= 0) read their bf16 rows from the residual pool as the bf16 kernel reads a block.
+// Nibble order: byte i holds elements 2i (low) and 2i + 1 (high), so unpacking gives the even elements of a
+// span and then its odd ones. Rather than re-interleave every row, the queries are permuted once into the
+// keys' order (per 64 dims: 32 even, 32 odd) and the V accumulators kept in the values' order (per 32
+// dims: 16 even, 16 odd), put back in order once per item; open V rows are permuted into that order.
+template <int D, int G>
+void decode_int4_avx512(const at::BFloat16* q, const uint8_t* k_cache, const uint8_t* v_cache, const at::Half* k_scale,
+                        const at::Half* k_zero, const at::Half* v_scale, const at::Half* v_zero,
+                        const at::BFloat16* res_k, const at::BFloat16* res_v, const int32_t* res_slot,
+                        const int64_t* table, const int64_t* ctx, at::BFloat16* out, int64_t B, int64_t H, int64_t KVH,
+                        int64_t NB, int64_t BS, int64_t R, int64_t max_blocks, float scale) {
+  constexpr int NC = D / 32, D2 = D / 2;
+  const int64_t packed_bytes = BS * D2, open_bytes = BS * D * 2;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  alignas(64) uint16_t nib_bf16[32];  // bf16 of (i & 15): the permute reads the low 5 bits of each lane
+  for (int i = 0; i < 32; ++i) nib_bf16[i] = static_cast<uint16_t>(at::BFloat16(static_cast<float>(i & 15)).x);
+  const __m512i nib_table = _mm512_load_si512(nib_bf16);
+  const __m512 nib_f32 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);  // low 4 bits
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const __m512i inter_lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i inter_hi = _mm512_add_epi32(inter_lo, _mm512_set1_epi32(8));
+  // x[0..63] in the keys' nibble order (x even elements, then odd), into dst[0..63].
+  const auto keys_order64 = [&](const __m512* x, float* dst) {
+    _mm512_store_ps(dst, _mm512_permutex2var_ps(x[0], even, x[1]));
+    _mm512_store_ps(dst + 16, _mm512_permutex2var_ps(x[2], even, x[3]));
+    _mm512_store_ps(dst + 32, _mm512_permutex2var_ps(x[0], odd, x[1]));
+    _mm512_store_ps(dst + 48, _mm512_permutex2var_ps(x[2], odd, x[3]));
+  };
+  for_each_item(ctx, B, KVH, [&](int64_t idx) {
+    thread_local std::vector<float> scores;
+    const int64_t b = idx / KVH, h = idx % KVH, L = ctx[b];
+    const int64_t* blocks = table + b * max_blocks;
+    const int64_t nblocks = (L + BS - 1) / BS;
+    const at::BFloat16* qh = q + (b * H + h * G) * D;
+    const int64_t stride = nblocks * BS + 16;
+    scores.resize(G * stride);
+    const auto open_rows = [&](const at::BFloat16* pool, int32_t slot) { return pool + (h * R + slot) * BS * D; };
+    // Block a's K side with its scales (or, past the last, V block a - nblocks), into L1.
+    const auto prefetch_block = [&](int64_t a) {
+      const bool k_side = a < nblocks;
+      const int64_t blk = blocks[k_side ? a : a - nblocks];
+      const int32_t slot = res_slot[blk];
+      if (slot >= 0) return prefetch_rows(open_rows(k_side ? res_k : res_v, slot), open_bytes);
+      prefetch_rows((k_side ? k_cache : v_cache) + (h * NB + blk) * packed_bytes, packed_bytes);
+      if (k_side) prefetch_rows(k_scale + (h * NB + blk) * D, 2 * D), prefetch_rows(k_zero + (h * NB + blk) * D, 2 * D);
+      else prefetch_rows(v_scale + (h * NB + blk) * BS, 2 * BS), prefetch_rows(v_zero + (h * NB + blk) * BS, 2 * BS);
+    };
+    alignas(64) float qf[G][D], qk[G][D];  // queries x softmax scale: in order, and in the keys' order
+    for (int g = 0; g < G; ++g) {
+      for (int d = 0; d < D; d += 16) _mm512_store_ps(qf[g] + d, _mm512_mul_ps(bf16x16_to_float(qh + g * D + d), vscale));
+      for (int d = 0; d < D; d += 64) {
+        const __m512 x[4] = {_mm512_load_ps(qf[g] + d), _mm512_load_ps(qf[g] + d + 16), _mm512_load_ps(qf[g] + d + 32),
+                             _mm512_load_ps(qf[g] + d + 48)};
+        keys_order64(x, qk[g] + d);
+      }
+    }
+    alignas(64) uint16_t kconv[16 * D];  // 16 sealed K rows' nibbles as bf16, in the keys' order
+    alignas(64) uint16_t qbf[G][D];      // q_c s_c as bf16, in the keys' order
+    alignas(64) float sk[D];
+    float kconst[G];
+    for (int64_t a = 0; a < kPrefetch && a < 2 * nblocks; ++a) prefetch_block(a);
+    for (int64_t j = 0; j < nblocks; ++j) {
+      if (j + kPrefetch < 2 * nblocks) prefetch_block(j + kPrefetch);
+      const int64_t blk = blocks[j], t0 = j * BS, n = std::min(BS, L - t0);
+      const int32_t slot = res_slot[blk];
+      if (slot >= 0) {  // open: bf16 rows, as the bf16 kernel
+        const at::BFloat16* kb = open_rows(res_k, slot);
+        for (int64_t t = 0; t < n; t += 16) {  // rows past n are read (the slot has BS rows), never used
+          for (int g = 0; g < G; ++g) {
+            __m512bh qv[NC];
+            for (int c = 0; c < NC; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qh + g * D + 32 * c);
+            __m512 acc[16];
+            for (int r = 0; r < 16; ++r) {
+              acc[r] = _mm512_setzero_ps();
+              for (int c = 0; c < NC; ++c)
+                acc[r] = _mm512_dpbf16_ps(acc[r], qv[c], (__m512bh)_mm512_loadu_si512(kb + (t + r) * D + 32 * c));
+            }
+            _mm512_storeu_ps(scores.data() + g * stride + t0 + t, _mm512_mul_ps(hsum16(acc), vscale));
+          }
+        }
+        continue;
+      }
+      // Sealed: the block's channel scales into the queries, the zeros into one constant per head.
+      const at::Half* ksb = k_scale + (h * NB + blk) * D;
+      const at::Half* kzb = k_zero + (h * NB + blk) * D;
+      for (int d = 0; d < D; d += 64) {
+        __m512 x[4];
+        for (int i = 0; i < 4; ++i) x[i] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ksb + d + 16 * i)));
+        keys_order64(x, sk + d);
+      }
+      for (int g = 0; g < G; ++g) {
+        __m512 z = _mm512_setzero_ps();
+        for (int d = 0; d < D; d += 16)
+          z = _mm512_fmadd_ps(_mm512_load_ps(qf[g] + d),
+                              _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kzb + d))), z);
+        kconst[g] = _mm512_reduce_add_ps(z);
+        for (int c = 0; c < NC; ++c) {
+          const __m512 lo = _mm512_mul_ps(_mm512_load_ps(qk[g] + 32 * c), _mm512_load_ps(sk + 32 * c));
+          const __m512 hi = _mm512_mul_ps(_mm512_load_ps(qk[g] + 32 * c + 16), _mm512_load_ps(sk + 32 * c + 16));
+          _mm512_store_si512(qbf[g] + 32 * c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+      }
+      const uint8_t* kb = k_cache + (h * NB + blk) * packed_bytes;
+      for (int64_t t = 0; t < n; t += 16) {
+        for (int r = 0; r < 16; ++r)
+          for (int d = 0; d < D; d += 64) {  // 32 bytes: 32 even elements (low nibbles), then 32 odd
+            const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kb + (t + r) * D2 + d / 2)));
+            _mm512_store_si512(kconv + r * D + d, _mm512_permutexvar_epi16(w, nib_table));
+            _mm512_store_si512(kconv + r * D + d + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), nib_table));
+          }
+        for (int g = 0; g < G; ++g) {
+          __m512bh qv[NC];
+          for (int c = 0; c < NC; ++c) qv[c] = (__m512bh)_mm512_load_si512(qbf[g] + 32 * c);
+          __m512 acc[16];
+          for (int r = 0; r < 16; ++r) {
+            acc[r] = _mm512_setzero_ps();
+            for (int c = 0; c < NC; ++c)
+              acc[r] = _mm512_dpbf16_ps(acc[r], qv[c], (__m512bh)_mm512_load_si512(kconv + r * D + 32 * c));
+          }
+          _mm512_storeu_ps(scores.data() + g * stride + t0 + t, _mm512_add_ps(hsum16(acc), _mm512_set1_ps(kconst[g])));
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g) softmax_inplace(scores.data() + g * stride, L);
+    alignas(64) float accm[G][D];  // in the values' order
+    __m512 zacc[G];                // sum_t p_t z_t, per lane
+    for (int g = 0; g < G; ++g) {
+      zacc[g] = _mm512_setzero_ps();
+      for (int d = 0; d < D; d += 16) _mm512_store_ps(accm[g] + d, _mm512_setzero_ps());
+    }
+    for (int64_t j = 0; j < nblocks; ++j) {
+      if (j + kPrefetch < nblocks) prefetch_block(nblocks + j + kPrefetch);
+      const int64_t blk = blocks[j], t0 = j * BS, n = std::min(BS, L - t0);
+      const int32_t slot = res_slot[blk];
+      const at::BFloat16* vr = slot >= 0 ? open_rows(res_v, slot) : nullptr;
+      const uint8_t* vb = v_cache + (h * NB + blk) * packed_bytes;
+      if (slot < 0) {  // sealed: p_t s_t in place of p_t, and p_t z_t into zacc
+        const at::Half* vsb = v_scale + (h * NB + blk) * BS;
+        const at::Half* vzb = v_zero + (h * NB + blk) * BS;
+        for (int64_t t = 0; t < n; t += 16) {
+          const __mmask16 live = n - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - t)) - 1u);
+          const __m512 vs = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, vsb + t));
+          const __m512 vz = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, vzb + t));
+          for (int g = 0; g < G; ++g) {
+            float* p = scores.data() + g * stride + t0 + t;
+            const __m512 pv = _mm512_maskz_loadu_ps(live, p);
+            zacc[g] = _mm512_fmadd_ps(pv, vz, zacc[g]);
+            _mm512_mask_storeu_ps(p, live, _mm512_mul_ps(pv, vs));
+          }
+        }
+      }
+      for (int c = 0; c < NC; ++c) {  // 32 dims: 16 even, 16 odd
+        __m512 acc[G][2];
+        for (int g = 0; g < G; ++g)
+          acc[g][0] = _mm512_load_ps(accm[g] + 32 * c), acc[g][1] = _mm512_load_ps(accm[g] + 32 * c + 16);
+        for (int64_t t = 0; t < n; ++t) {
+          __m512 v0, v1;
+          if (vr) {
+            const __m512 x0 = bf16x16_to_float(vr + t * D + 32 * c), x1 = bf16x16_to_float(vr + t * D + 32 * c + 16);
+            v0 = _mm512_permutex2var_ps(x0, even, x1), v1 = _mm512_permutex2var_ps(x0, odd, x1);
+          } else {
+            const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vb + t * D2 + 16 * c)));
+            v0 = _mm512_permutexvar_ps(w, nib_f32), v1 = _mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), nib_f32);
+          }
+          for (int g = 0; g < G; ++g) {
+            const __m512 p = _mm512_set1_ps(scores[g * stride + t0 + t]);
+            acc[g][0] = _mm512_fmadd_ps(p, v0, acc[g][0]);
+            acc[g][1] = _mm512_fmadd_ps(p, v1, acc[g][1]);
+          }
+        }
+        for (int g = 0; g < G; ++g)
+          _mm512_store_ps(accm[g] + 32 * c, acc[g][0]), _mm512_store_ps(accm[g] + 32 * c + 16, acc[g][1]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {  // back in order, plus the zeros' share
+      at::BFloat16* o = out + (b * H + h * G + g) * D;
+      const __m512 z = _mm512_set1_ps(_mm512_reduce_add_ps(zacc[g]));
+      for (int c = 0; c < NC; ++c) {
+        const __m512 e = _mm512_load_ps(accm[g] + 32 * c), od = _mm512_load_ps(accm[g] + 32 * c + 16);
+        store_bf16x16(o + 32 * c, _mm512_add_ps(_mm512_permutex2var_ps(e, inter_lo, od), z));
+        store_bf16x16(o + 32 * c + 16, _mm512_add_ps(_mm512_permutex2var_ps(e, inter_hi, od), z));
+      }
+    }
+  });
+}
 #endif
 
 }  // namespace
@@ -820,9 +987,10 @@ void decode_portable(const torch::Tensor& q, const torch::Tensor& k_cache, const
   const int64_t KVH = k_cache.size(0), NB = k_cache.size(1), BS = k_cache.size(2);
   const auto run = [&](auto cache_elem) {
     using C = decltype(cache_elem);
-    decode_kernel<T, C>(q.data_ptr<T>(), static_cast<const C*>(k_cache.data_ptr()),
-                        static_cast<const C*>(v_cache.data_ptr()), ks, vs, table.data_ptr<int64_t>(),
-                        ctx.data_ptr<int64_t>(), out.data_ptr<T>(), B, H, D, KVH, NB, BS, table.size(1), scale);
+    const ScaledRows<C> rows{static_cast<const C*>(k_cache.data_ptr()), static_cast<const C*>(v_cache.data_ptr()),
+                             ks, vs, NB, BS, D};
+    decode_kernel<T>(q.data_ptr<T>(), rows, table.data_ptr<int64_t>(), ctx.data_ptr<int64_t>(), out.data_ptr<T>(),
+                     B, H, D, KVH, BS, table.size(1), scale);
   };
   switch (k_cache.scalar_type()) {
     case torch::kChar: run(int8_t{}); break;
@@ -929,6 +1097,216 @@ void quantize_into(const In* x, int64_t D, C* dst, float* scale) {
   quantize_row(x, D, dst, scale);
 }
 
+
+#ifdef PDSERVE_HAVE_AVX512BF16
+// What an open block reads as once sealed, exactly as kv/int4.py quantizes it (the oracle: zero = min and
+// scale = (max - min) / 15 rounded to float16, codes round((x - zero) / scale) to even in [0, 15]),
+// dequantized to bf16 as the reference reads it: rows [BS, D] of K (per channel) or V (per token) in, out.
+void seal_open_rows(const at::BFloat16* x, int64_t BS, int64_t D, bool per_channel, at::BFloat16* out) {
+  const int64_t groups = per_channel ? D : BS, len = per_channel ? BS : D;
+  const auto idx = [&](int64_t grp, int64_t i) { return per_channel ? i * D + grp : grp * D + i; };
+  for (int64_t grp = 0; grp < groups; ++grp) {
+    float lo = to_float(x[idx(grp, 0)]), hi = lo;
+    for (int64_t i = 1; i < len; ++i) lo = std::min(lo, to_float(x[idx(grp, i)])), hi = std::max(hi, to_float(x[idx(grp, i)]));
+    const float zero = static_cast<float>(at::Half(lo));
+    const float s = static_cast<float>(at::Half(exact_div(hi - zero, 15.f)));
+    const float inv = s > 0.f ? exact_div(1.f, s) : 0.f;
+    for (int64_t i = 0; i < len; ++i) {
+      const float code = std::min(15.f, std::max(0.f, std::nearbyint((to_float(x[idx(grp, i)]) - zero) * inv)));
+      out[idx(grp, i)] = at::BFloat16(code * s + zero);
+    }
+  }
+}
+
+// (lo[i], hi[i]) pairs from a vector whose lanes 0..15 are lo and 16..31 hi: lane 2i <- i, 2i + 1 <- 16 + i.
+alignas(64) constexpr int16_t kNibblePairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                  8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+// 32 dequantized int4 values in order (16 packed bytes; element 2i is byte i's low nibble), x = n * s + z
+// with scale and zero per element (s_even, z_even for elements 2i; s_odd, z_odd for 2i + 1), as bf16.
+inline __m512i int4_bf16x32(const uint8_t* p, __m512 s_even, __m512 z_even, __m512 s_odd, __m512 z_odd) {
+  const __m512 nib = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i pairs = _mm512_load_si512(kNibblePairs);
+  const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512 lo = _mm512_fmadd_ps(_mm512_permutexvar_ps(w, nib), s_even, z_even);
+  const __m512 hi = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), nib), s_odd, z_odd);
+  return _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+// Causal prefill over an int4 (KIVI) cache: prefill_avx512's tiles (16 query rows in the lanes, 16 keys
+// at a time, lane-wise online softmax, BF16 dot products), with what a decode at each query's position
+// reads (torch_ref._prefill_int4): the blocks before the query's own as sealed, its own block unquantized.
+// Each 16-key chunk is converted to bf16 (exact for open rows; sealed ones dequantized, n * s + z rounded
+// to bf16 as the reference rounds them, up to an FMA's rounding). A chunk of an open block that some rows
+// of the tile see as sealed and others as their own runs twice, once per version, each lane masked to
+// the rows that read it; the sealed version of open blocks is made once per call (seal_open_rows) into
+// `sealed` [KVH, n, BS, D] bf16, `sealed_index[block]` naming its row.
+template <int D, int G>
+void prefill_int4_avx512(const at::BFloat16* q, const uint8_t* k_cache, const uint8_t* v_cache, const at::Half* k_scale,
+                         const at::Half* k_zero, const at::Half* v_scale, const at::Half* v_zero,
+                         const at::BFloat16* res_k, const at::BFloat16* res_v, const int32_t* res_slot,
+                         const at::BFloat16* sealed_k, const at::BFloat16* sealed_v, const int32_t* sealed_index,
+                         int64_t num_sealed, const int64_t* tables, int64_t max_blocks, const int64_t* q_start,
+                         const int64_t* q_len, const int64_t* ctx, int64_t P, at::BFloat16* out, int64_t H, int64_t KVH,
+                         int64_t NB, int64_t BS, int64_t R, float scale, int64_t q_row, int64_t out_row) {
+  constexpr int64_t QT = 16, D2 = D / 2;
+  struct Item { int64_t p, h, r0; };
+  std::vector<Item> items;
+  std::vector<int64_t> costs;
+  for (int64_t p = 0; p < P; ++p)
+    for (int64_t h = 0; h < KVH; ++h)
+      for (int64_t r0 = 0; r0 < q_len[p]; r0 += QT) {
+        items.push_back({p, h, r0});
+        costs.push_back(ctx[p] - q_len[p] + std::min(r0 + QT, q_len[p]) + 64);
+      }
+  const __m512 scale2 = _mm512_set1_ps(scale * 1.44269504088896341f);
+  const __m512 neg_big = _mm512_set1_ps(-1e30f);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i even = _mm512_mullo_epi32(lane, _mm512_set1_epi32(2)), odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  alignas(64) int16_t il_lo[32], il_hi[32], p_il[32];
+  for (int i = 0; i < 16; ++i) {
+    il_lo[2 * i] = i, il_lo[2 * i + 1] = 32 + i;
+    il_hi[2 * i] = 16 + i, il_hi[2 * i + 1] = 48 + i;
+    p_il[2 * i] = i, p_il[2 * i + 1] = 16 + i;
+  }
+  const __m512i vlo = _mm512_load_si512(il_lo), vhi = _mm512_load_si512(il_hi), pil = _mm512_load_si512(p_il);
+  for_each_costed(costs, [&](int64_t it) {
+    const Item& item = items[it];
+    const int64_t p = item.p, h = item.h, r0 = item.r0;
+    const int64_t rows = std::min(QT, q_len[p] - r0), first_pos = ctx[p] - q_len[p] + r0, last_pos = first_pos + rows - 1;
+    const int64_t* blocks = tables + p * max_blocks;
+    alignas(64) int32_t kconv[8 * D];  // the chunk's 16 keys as bf16 pairs
+    alignas(64) int32_t qt[G][D / 2][QT];
+    alignas(64) float acc[G][D][QT];
+    alignas(64) int32_t vi[8][D];
+    __m512 m[G], l[G];
+    const __mmask16 row_mask = static_cast<__mmask16>((1u << rows) - 1u);
+    const __m512i pos = _mm512_min_epi32(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(first_pos)), lane),
+                                         _mm512_set1_epi32(static_cast<int32_t>(last_pos)));
+    const __m512i q_rows = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(q_row / 2)));
+    for (int g = 0; g < G; ++g) {
+      const int32_t* q0 = reinterpret_cast<const int32_t*>(q + (q_start[p] + r0) * q_row + (h * G + g) * D);
+      for (int pr = 0; pr < D / 2; ++pr)
+        _mm512_store_si512(qt[g][pr], _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), row_mask,
+                                                                   _mm512_add_epi32(q_rows, _mm512_set1_epi32(pr)), q0, 4));
+      for (int d = 0; d < D; ++d) _mm512_store_ps(acc[g][d], _mm512_setzero_ps());
+      m[g] = neg_big, l[g] = _mm512_setzero_ps();
+    }
+    // One pass over the chunk in kconv / vi: row lanes attend key j0 + t iff lo <= pos, j0 + t <= pos, pos < hi.
+    const auto attend = [&](int64_t j0, int64_t nk, int64_t lo, int64_t hi) {
+      __mmask16 see[16];
+      for (int t = 0; t < 16; ++t) {
+        const int64_t from = std::max(lo, j0 + t);
+        see[t] = t < nk ? static_cast<__mmask16>(_mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(from))) &
+                                                 _mm512_cmplt_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(std::min<int64_t>(hi, INT32_MAX)))))
+                        : static_cast<__mmask16>(0);
+      }
+      for (int g = 0; g < G; ++g) {
+        __m512 s[16];
+        for (int t = 0; t < 16; ++t) s[t] = _mm512_setzero_ps();
+        for (int pr = 0; pr < D / 2; ++pr) {
+          const __m512bh qv = (__m512bh)_mm512_load_si512(qt[g][pr]);
+          for (int t = 0; t < 16; ++t) s[t] = _mm512_dpbf16_ps(s[t], qv, (__m512bh)_mm512_set1_epi32(kconv[t * (D / 2) + pr]));
+        }
+        __m512 mx = neg_big;
+        for (int t = 0; t < 16; ++t) {
+          s[t] = _mm512_mask_mov_ps(neg_big, see[t], _mm512_mul_ps(s[t], scale2));
+          mx = _mm512_max_ps(mx, s[t]);
+        }
+        const __m512 m_new = _mm512_max_ps(m[g], mx);
+        const __m512 alpha = exp2_ps(_mm512_sub_ps(m[g], m_new));
+        m[g] = m_new;
+        __m512 sum = _mm512_setzero_ps();
+        for (int t = 0; t < 16; ++t) {  // masked lanes to zero: a row may see no key of this pass
+          s[t] = _mm512_maskz_mov_ps(see[t], exp2_ps(_mm512_sub_ps(s[t], m_new)));
+          sum = _mm512_add_ps(sum, s[t]);
+        }
+        l[g] = _mm512_fmadd_ps(l[g], alpha, sum);
+        __m512bh pp[8];
+        for (int tp = 0; tp < 8; ++tp)
+          pp[tp] = (__m512bh)_mm512_permutexvar_epi16(pil, (__m512i)_mm512_cvtne2ps_pbh(s[2 * tp + 1], s[2 * tp]));
+        for (int dc = 0; dc < D; dc += 16) {
+          __m512 a[16];
+          for (int k = 0; k < 16; ++k) a[k] = _mm512_mul_ps(_mm512_load_ps(acc[g][dc + k]), alpha);
+          for (int tp = 0; tp < 8; ++tp)
+            for (int k = 0; k < 16; ++k) a[k] = _mm512_dpbf16_ps(a[k], pp[tp], (__m512bh)_mm512_set1_epi32(vi[tp][dc + k]));
+          for (int k = 0; k < 16; ++k) _mm512_store_ps(acc[g][dc + k], a[k]);
+        }
+      }
+    };
+    // V of 16 keys (32 bf16 per 32 dims from row_v(t, c); keys past nk zero) interleaved by key pairs into vi.
+    const auto interleave_v = [&](int64_t nk, const auto& row_v) {
+      for (int tp = 0; tp < 8; ++tp)
+        for (int c = 0; c < D / 32; ++c) {
+          const __m512i a = 2 * tp < nk ? row_v(2 * tp, c) : _mm512_setzero_si512();
+          const __m512i b = 2 * tp + 1 < nk ? row_v(2 * tp + 1, c) : _mm512_setzero_si512();
+          _mm512_store_si512(vi[tp] + 32 * c, _mm512_permutex2var_epi16(a, vlo, b));
+          _mm512_store_si512(vi[tp] + 32 * c + 16, _mm512_permutex2var_epi16(a, vhi, b));
+        }
+    };
+    // A chunk from bf16 rows (the residual pool, or the sealed version of an open block).
+    const auto load_bf16 = [&](const at::BFloat16* kr, const at::BFloat16* vr, int64_t nk) {
+      for (int t = 0; t < 16; ++t)
+        for (int c = 0; c < D / 32; ++c)
+          _mm512_store_si512(kconv + t * (D / 2) + 16 * c, _mm512_loadu_si512(kr + t * D + 32 * c));
+      interleave_v(nk, [&](int t, int c) { return _mm512_loadu_si512(vr + t * D + 32 * c); });
+    };
+    const int64_t num_keys = last_pos + 1;
+    for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
+      const int64_t kb = j0 / BS, blk = blocks[kb], off = j0 % BS, block_end = (kb + 1) * BS;
+      const int64_t nk = std::min<int64_t>(16, num_keys - j0);
+      const int32_t slot = res_slot[blk];
+      if (slot < 0) {  // sealed: dequantized in place, one pass under the causal mask
+        const uint8_t* kp = k_cache + ((h * NB + blk) * BS + off) * D2;
+        const uint8_t* vp = v_cache + ((h * NB + blk) * BS + off) * D2;
+        const at::Half* ksb = k_scale + (h * NB + blk) * D;
+        const at::Half* kzb = k_zero + (h * NB + blk) * D;
+        for (int c = 0; c < D / 32; ++c) {
+          const auto half16 = [](const at::Half* x) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))); };
+          const __m512 s0 = half16(ksb + 32 * c), s1 = half16(ksb + 32 * c + 16);
+          const __m512 z0 = half16(kzb + 32 * c), z1 = half16(kzb + 32 * c + 16);
+          const __m512 se = _mm512_permutex2var_ps(s0, even, s1), so = _mm512_permutex2var_ps(s0, odd, s1);
+          const __m512 ze = _mm512_permutex2var_ps(z0, even, z1), zo = _mm512_permutex2var_ps(z0, odd, z1);
+          for (int t = 0; t < 16; ++t)
+            _mm512_store_si512(kconv + t * (D / 2) + 16 * c, int4_bf16x32(kp + t * D2 + 16 * c, se, ze, so, zo));
+        }
+        const at::Half* vsb = v_scale + (h * NB + blk) * BS + off;
+        const at::Half* vzb = v_zero + (h * NB + blk) * BS + off;
+        interleave_v(nk, [&](int t, int c) {
+          const __m512 s = _mm512_set1_ps(static_cast<float>(vsb[t])), z = _mm512_set1_ps(static_cast<float>(vzb[t]));
+          return int4_bf16x32(vp + t * D2 + 16 * c, s, z, s, z);
+        });
+        attend(j0, nk, 0, INT64_MAX);
+        continue;
+      }
+      if (last_pos >= block_end) {  // rows past this block read it as sealed
+        const int64_t row0 = (h * num_sealed + sealed_index[blk]) * BS + off;
+        load_bf16(sealed_k + row0 * D, sealed_v + row0 * D, nk);
+        attend(j0, nk, block_end, INT64_MAX);
+      }
+      if (first_pos < block_end) {  // rows in this block read it unquantized
+        const int64_t row0 = (h * R + slot) * BS + off;
+        load_bf16(res_k + row0 * D, res_v + row0 * D, nk);
+        attend(j0, nk, 0, block_end);
+      }
+    }
+    const __m512i dim_rows = _mm512_mullo_epi32(lane, _mm512_set1_epi32(QT));
+    for (int g = 0; g < G; ++g) {
+      alignas(64) float inv[QT];
+      _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l[g]));
+      for (int64_t i = 0; i < rows; ++i) {
+        at::BFloat16* o = out + (q_start[p] + r0 + i) * out_row + (h * G + g) * D;
+        const __m512 vinv = _mm512_set1_ps(inv[i]);
+        for (int c = 0; c < D / 16; ++c) {
+          const __m512 v = _mm512_i32gather_ps(_mm512_add_epi32(dim_rows, _mm512_set1_epi32(static_cast<int32_t>(16 * c * QT + i))), &acc[g][0][0], 4);
+          store_bf16x16(o + 16 * c, _mm512_mul_ps(v, vinv));
+        }
+      }
+    }
+  });
+}
+#endif
+
 }  // namespace
 
 // Whether paged_decode / paged_prefill take their AVX-512 BF16 path for these shapes (bf16 queries and a
@@ -943,6 +1321,12 @@ bool decode_fast_path(bool bf16, int64_t H, int64_t KVH, int64_t D) {
 }
 
 bool prefill_fast_path(bool bf16, int64_t H, int64_t KVH, int64_t D, int64_t BS) {
+  return decode_fast_path(bf16, H, KVH, D) && BS % 16 == 0;
+}
+
+// Whether paged_decode_int4 takes its AVX-512 path (bf16 queries and residual pool, blocks of a multiple
+// of 16 tokens); otherwise it runs the portable loop.
+bool decode_int4_fast_path(bool bf16, int64_t H, int64_t KVH, int64_t D, int64_t BS) {
   return decode_fast_path(bf16, H, KVH, D) && BS % 16 == 0;
 }
 
@@ -1091,7 +1475,7 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
 // Decode attention over an int4 (KIVI) cache, one layer: q [B, H, D] bf16 or float32; k_cache, v_cache
 // [KVH, NB, BS, D / 2] uint8; k_scale, k_zero [KVH, NB, D] and v_scale, v_zero [KVH, NB, BS] float16;
 // residual_k, residual_v [KVH, R, BS, D] in q's dtype; residual_slot [NB] int32; table [B, max_blocks];
-// context_lens [B]. The portable loop only (no AVX-512 path yet).
+// context_lens [B]. The AVX-512 kernel where decode_int4_fast_path says so, else the portable loop.
 torch::Tensor paged_decode_int4(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k_scale,
                                 torch::Tensor k_zero, torch::Tensor v_scale, torch::Tensor v_zero,
                                 torch::Tensor residual_k, torch::Tensor residual_v, torch::Tensor residual_slot,
@@ -1112,14 +1496,27 @@ torch::Tensor paged_decode_int4(torch::Tensor q, torch::Tensor k_cache, torch::T
   TORCH_CHECK(H % KVH == 0 && k_cache.size(3) * 2 == D && residual_k.size(3) == D && residual_k.size(2) == BS,
               "head layout mismatch");
   auto out = torch::empty_like(q);
+#ifdef PDSERVE_HAVE_AVX512BF16
+  if (decode_int4_fast_path(q.scalar_type() == torch::kBFloat16, H, KVH, D, BS)) {
+    with_shape(H / KVH, D, [&](auto d, auto g) {
+      decode_int4_avx512<decltype(d)::value, decltype(g)::value>(
+          q.data_ptr<at::BFloat16>(), k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(), k_scale.data_ptr<at::Half>(),
+          k_zero.data_ptr<at::Half>(), v_scale.data_ptr<at::Half>(), v_zero.data_ptr<at::Half>(),
+          residual_k.data_ptr<at::BFloat16>(), residual_v.data_ptr<at::BFloat16>(), residual_slot.data_ptr<int32_t>(),
+          table.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), B, H, KVH, NB, BS, R,
+          table.size(1), static_cast<float>(scale));
+    });
+    return out;
+  }
+#endif
   const auto run = [&](auto zero) {
     using T = decltype(zero);
-    decode_int4_kernel<T>(q.data_ptr<T>(), k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(),
-                          k_scale.data_ptr<at::Half>(), k_zero.data_ptr<at::Half>(), v_scale.data_ptr<at::Half>(),
-                          v_zero.data_ptr<at::Half>(), residual_k.data_ptr<T>(), residual_v.data_ptr<T>(),
-                          residual_slot.data_ptr<int32_t>(), table.data_ptr<int64_t>(),
-                          context_lens.data_ptr<int64_t>(), out.data_ptr<T>(), B, H, D, KVH, NB, BS, R, table.size(1),
-                          static_cast<float>(scale));
+    const Int4Rows<T> rows{k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(), k_scale.data_ptr<at::Half>(),
+                           k_zero.data_ptr<at::Half>(), v_scale.data_ptr<at::Half>(), v_zero.data_ptr<at::Half>(),
+                           residual_k.data_ptr<T>(), residual_v.data_ptr<T>(), residual_slot.data_ptr<int32_t>(),
+                           NB, BS, R, D};
+    decode_kernel<T>(q.data_ptr<T>(), rows, table.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
+                     out.data_ptr<T>(), B, H, D, KVH, BS, table.size(1), static_cast<float>(scale));
   };
   if (q.scalar_type() == torch::kBFloat16) {
     run(at::BFloat16{});
@@ -1128,6 +1525,75 @@ torch::Tensor paged_decode_int4(torch::Tensor q, torch::Tensor k_cache, torch::T
     run(float{});
   }
   return out;
+}
+
+
+// Causal prefill attention over an int4 (KIVI) cache, as paged_prefill (q, out bf16 [T, H, D], rows may be
+// strided) with the cache tensors of paged_decode_int4 (residual pool bf16, blocks of a multiple of 16
+// tokens). Each query reads the blocks before its own as sealed (open ones quantized on the fly, as
+// kv/int4.py seals them) and its own block unquantized. Returns false (nothing done) where this build or
+// these shapes have no fast path.
+bool paged_prefill_int4(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k_scale,
+                        torch::Tensor k_zero, torch::Tensor v_scale, torch::Tensor v_zero, torch::Tensor residual_k,
+                        torch::Tensor residual_v, torch::Tensor residual_slot, torch::Tensor tables,
+                        torch::Tensor q_start, torch::Tensor q_len, torch::Tensor ctx, double scale, torch::Tensor out) {
+#ifdef PDSERVE_HAVE_AVX512BF16
+  const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(0), NB = k_cache.size(1), BS = k_cache.size(2);
+  const int64_t R = residual_k.size(1);
+  const auto rows_ok = [&](const torch::Tensor& t) { return t.stride(2) == 1 && t.stride(1) == D && t.stride(0) % 2 == 0; };
+  const bool bf16 = q.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16 &&
+                    residual_k.scalar_type() == torch::kBFloat16;
+  if (!decode_int4_fast_path(bf16, H, KVH, D, BS) || !rows_ok(q) || !rows_ok(out)) return false;
+  TORCH_CHECK(k_cache.scalar_type() == torch::kByte && k_scale.scalar_type() == torch::kHalf &&
+                  residual_slot.scalar_type() == torch::kInt && residual_v.scalar_type() == torch::kBFloat16,
+              "int4 cache: uint8 packed rows, float16 scales, int32 slots, residual in bf16");
+  for (const auto& t : {k_cache, v_cache, k_scale, k_zero, v_scale, v_zero, residual_k, residual_v, residual_slot})
+    TORCH_CHECK(t.is_contiguous(), "int4 cache tensors must be contiguous");
+  TORCH_CHECK(k_cache.size(3) * 2 == D && residual_k.size(3) == D && residual_k.size(2) == BS, "head layout mismatch");
+  tables = tables.to(torch::kInt64).contiguous();
+  q_start = q_start.to(torch::kInt64).contiguous();
+  q_len = q_len.to(torch::kInt64).contiguous();
+  ctx = ctx.to(torch::kInt64).contiguous();
+  const int64_t P = tables.size(0), max_blocks = tables.size(1);
+  const int64_t* tab = tables.data_ptr<int64_t>();
+  const int64_t* cl = ctx.data_ptr<int64_t>();
+  const int32_t* slot = residual_slot.data_ptr<int32_t>();
+  // Open blocks some query reads as sealed (every block before a sequence's last query's own), once each.
+  std::vector<int32_t> sealed_index(NB, -1);
+  std::vector<int64_t> open_ids;
+  for (int64_t p = 0; p < P; ++p)
+    for (int64_t kb = 0; kb < (cl[p] - 1) / BS; ++kb) {
+      const int64_t blk = tab[p * max_blocks + kb];
+      if (slot[blk] >= 0 && sealed_index[blk] < 0) {
+        sealed_index[blk] = static_cast<int32_t>(open_ids.size());
+        open_ids.push_back(blk);
+      }
+    }
+  const int64_t n = static_cast<int64_t>(open_ids.size());
+  auto sealed_k = torch::empty({KVH, std::max<int64_t>(n, 1), BS, D}, residual_k.options());
+  auto sealed_v = torch::empty_like(sealed_k);
+  const at::BFloat16* rk = residual_k.data_ptr<at::BFloat16>();
+  const at::BFloat16* rv = residual_v.data_ptr<at::BFloat16>();
+  at::BFloat16* sk = sealed_k.data_ptr<at::BFloat16>();
+  at::BFloat16* sv = sealed_v.data_ptr<at::BFloat16>();
+  at::parallel_for(0, KVH * n, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t h = i / n, j = i % n, src = (h * R + slot[open_ids[j]]) * BS * D, dst = (h * n + j) * BS * D;
+      seal_open_rows(rk + src, BS, D, true, sk + dst);
+      seal_open_rows(rv + src, BS, D, false, sv + dst);
+    }
+  });
+  with_shape(H / KVH, D, [&](auto d, auto g) {
+    prefill_int4_avx512<decltype(d)::value, decltype(g)::value>(
+        q.data_ptr<at::BFloat16>(), k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(), k_scale.data_ptr<at::Half>(),
+        k_zero.data_ptr<at::Half>(), v_scale.data_ptr<at::Half>(), v_zero.data_ptr<at::Half>(), rk, rv, slot, sk, sv,
+        sealed_index.data(), n, tab, max_blocks, q_start.data_ptr<int64_t>(), q_len.data_ptr<int64_t>(), cl, P,
+        out.data_ptr<at::BFloat16>(), H, KVH, NB, BS, R, static_cast<float>(scale), q.stride(0), out.stride(0));
+  });
+  return true;
+#else
+  return false;
+#endif
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1143,6 +1609,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), no_scale("k_scale"),
         no_scale("v_scale"));
   m.def("paged_decode_int4", &paged_decode_int4, "paged decode attention over an int4 (KIVI) cache (CPU)");
+  m.def("paged_prefill_int4", &paged_prefill_int4, "paged causal prefill attention over an int4 (KIVI) cache (CPU, bf16)");
   m.def("decode_fast_path", &decode_fast_path, "whether paged_decode has an AVX-512 BF16 path for (bf16, H, KVH, D)");
+  m.def("decode_int4_fast_path", &decode_int4_fast_path,
+        "whether paged_decode_int4 has an AVX-512 BF16 path for (bf16, H, KVH, D, BS)");
   m.def("prefill_fast_path", &prefill_fast_path, "whether paged_prefill has a fast path for (bf16, H, KVH, D, BS)");
 }
