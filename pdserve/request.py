@@ -50,6 +50,15 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives to return with each sampled token
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # This request's latency targets in milliseconds; None: the engine's (SchedulerConfig.slo_ttft_ms /
+    # slo_itl_ms, SpeculativeConfig.slo_tpot_ms). Only the `slo` policy (EDF deadline, rejection, the
+    # step's ITL budget) and the slack speculation-length rule act on them; other policies ignore them.
+    # Here rather than in a value of their own: SamplingParams already travels with the request through
+    # every boundary (front -> core message, Batch), validated in one place, and vLLM's servers take
+    # extra per-request fields the same way.
+    slo_ttft_ms: float | None = None
+    slo_itl_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -84,6 +93,11 @@ class SamplingParams:
             raise bad("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids must be non-negative integers")
+        for name in ("slo_ttft_ms", "slo_itl_ms", "slo_tpot_ms"):
+            v = getattr(self, name)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+            if v is not None and not ok:
+                raise bad(f"{name} must be a positive finite number of milliseconds, got {v!r}")
 
 
 @dataclass(slots=True)
