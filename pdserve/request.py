@@ -178,3 +178,45 @@ class Request:
 
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyTargets:
+    """A request's latency targets in seconds once resolved against the engine's defaults (None: no
+    target on that metric), and how a finished request is judged against them. The judging follows the
+    serving benchmark's `SLO.is_met_by` (`pdserve/bench/metrics.py`): TTFT from arrival, TPOT as the mean
+    after the first token, ITL as the worst gap between two outputs (a step that delivers several
+    speculated tokens at once is one output)."""
+
+    ttft: float | None = None
+    itl: float | None = None
+    tpot: float | None = None
+
+    @classmethod
+    def resolve(
+        cls, params: SamplingParams, ttft: float | None, itl: float | None, tpot: float | None
+    ) -> LatencyTargets:
+        """`params`' own targets where set, else the given engine defaults (seconds or None)."""
+
+        def pick(own_ms: float | None, default: float | None) -> float | None:
+            return default if own_ms is None else own_ms / 1e3
+
+        return cls(pick(params.slo_ttft_ms, ttft), pick(params.slo_itl_ms, itl), pick(params.slo_tpot_ms, tpot))
+
+    @property
+    def is_empty(self) -> bool:
+        return self.ttft is None and self.itl is None and self.tpot is None
+
+    def results(self, ttft: float, max_itl: float | None, tpot: float | None) -> dict[str, bool]:
+        """Per target the request had ("ttft", "itl", "tpot", and "all" when it had any): whether the
+        measured figures (seconds; None: fewer than two outputs, which passes) met it."""
+        out: dict[str, bool] = {}
+        if self.ttft is not None:
+            out["ttft"] = ttft <= self.ttft
+        if self.itl is not None:
+            out["itl"] = max_itl is None or max_itl <= self.itl
+        if self.tpot is not None:
+            out["tpot"] = tpot is None or tpot <= self.tpot
+        if out:
+            out["all"] = all(out.values())
+        return out

@@ -203,3 +203,55 @@ def test_executor_gives_a_request_behind_its_own_tpot_no_drafts() -> None:
     assert [done[i] for i in tight] == [done[i] for i in loose] == WANT
     assert all(sum(asked[i][1:]) == 0 for i in tight)  # after the first tokens: none
     assert max(n for i in loose for n in asked[i]) == 3
+
+
+# ---- server: parsing and per-request goodput -----------------------------------------------------------
+
+
+def test_request_bodies_carry_the_targets_and_bad_values_are_400() -> None:
+    from pdserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, decode_body, sampling_params
+
+    body = b'{"prompt": "hi", "slo_ttft_ms": 100, "slo_itl_ms": 12.5, "slo_tpot_ms": 20}'
+    p = sampling_params(decode_body(body, CompletionRequest), 4, None)
+    assert (p.slo_ttft_ms, p.slo_itl_ms, p.slo_tpot_ms) == (100.0, 12.5, 20.0)
+    chat = decode_body(b'{"messages": [], "slo_itl_ms": 8}', ChatCompletionRequest)
+    assert sampling_params(chat, 4, None).slo_itl_ms == 8.0
+    assert sampling_params(decode_body(b'{"prompt": "hi"}', CompletionRequest), 4, None).slo_ttft_ms is None
+    for bad, param in [
+        (b'{"prompt": "hi", "slo_ttft_ms": 0}', "slo_ttft_ms"),
+        (b'{"prompt": "hi", "slo_itl_ms": -1}', "slo_itl_ms"),
+        (b'{"prompt": "hi", "slo_tpot_ms": "20"}', "slo_tpot_ms"),
+        (b'{"prompt": "hi", "slo_tpot_ms": 1e400}', "slo_tpot_ms"),
+    ]:
+        with pytest.raises(APIError) as e:
+            sampling_params(decode_body(bad, CompletionRequest), 4, None)
+        assert (e.value.status, e.value.param) == (400, param)
+        assert param in e.value.message
+
+
+def test_latency_targets_resolve_and_judge() -> None:
+    from pdserve.request import LatencyTargets
+
+    own = SamplingParams(slo_ttft_ms=100.0, slo_tpot_ms=20.0)
+    t = LatencyTargets.resolve(own, 0.5, 0.05, None)
+    assert t == LatencyTargets(ttft=0.1, itl=0.05, tpot=0.02)
+    assert LatencyTargets.resolve(SamplingParams(), None, None, None).is_empty
+    assert t.results(0.09, 0.05, 0.021) == {"ttft": True, "itl": True, "tpot": False, "all": False}
+    assert t.results(0.2, None, None) == {"ttft": False, "itl": True, "tpot": True, "all": False}
+    assert LatencyTargets(itl=0.01).results(5.0, 0.009, 1.0) == {"itl": True, "all": True}
+    assert LatencyTargets().results(1.0, 1.0, 1.0) == {}
+
+
+def test_metrics_count_met_and_missed_targets() -> None:
+    from prometheus_client import generate_latest
+
+    from pdserve.server.metrics import ServerMetrics
+
+    m = ServerMetrics("m")
+    m.observe_slo({"ttft": True, "tpot": False, "all": False})
+    m.observe_slo({"ttft": True, "all": True})
+    text = generate_latest(m.registry).decode()
+    assert 'pdserve:request_slo_met_total{model_name="m",target="ttft"} 2.0' in text
+    assert 'pdserve:request_slo_met_total{model_name="m",target="all"} 1.0' in text
+    assert 'pdserve:request_slo_missed_total{model_name="m",target="tpot"} 1.0' in text
+    assert 'pdserve:request_slo_missed_total{model_name="m",target="itl"} 0.0' in text
