@@ -255,3 +255,16 @@ def test_metrics_count_met_and_missed_targets() -> None:
     assert 'pdserve:request_slo_met_total{model_name="m",target="all"} 1.0' in text
     assert 'pdserve:request_slo_missed_total{model_name="m",target="tpot"} 1.0' in text
     assert 'pdserve:request_slo_missed_total{model_name="m",target="itl"} 0.0' in text
+
+
+def test_targets_cross_the_front_to_core_message() -> None:
+    import msgspec
+
+    from pdserve.engine.process.messages import AddRequest, FrontMessage
+
+    params = SamplingParams(max_tokens=3, slo_ttft_ms=120.0, slo_itl_ms=15.0, slo_tpot_ms=25.0)
+    frame = msgspec.msgpack.encode(AddRequest("r", [1, 2], params, 1.0))
+    got = msgspec.msgpack.decode(frame, type=FrontMessage)
+    assert isinstance(got, AddRequest) and got.params == params
+    plain = msgspec.msgpack.encode(AddRequest("r", [1, 2], SamplingParams(), 1.0))
+    assert msgspec.msgpack.decode(plain, type=FrontMessage).params.slo_ttft_ms is None
