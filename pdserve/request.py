@@ -201,7 +201,8 @@ class LatencyTargets:
         def pick(own_ms: float | None, default: float | None) -> float | None:
             return default if own_ms is None else own_ms / 1e3
 
-        return cls(pick(params.slo_ttft_ms, ttft), pick(params.slo_itl_ms, itl), pick(params.slo_tpot_ms, tpot))
+        p = params
+        return cls(pick(p.slo_ttft_ms, ttft), pick(p.slo_itl_ms, itl), pick(p.slo_tpot_ms, tpot))
 
     @property
     def is_empty(self) -> bool:

@@ -67,9 +67,8 @@ def request_body(cfg: LoadConfig, sample: SampleRequest, slo: SLO | None = None)
         "stream_options": {"include_usage": True},
     }
     if slo is not None:
-        for name, ms in (("slo_ttft_ms", slo.ttft_ms), ("slo_itl_ms", slo.itl_ms), ("slo_tpot_ms", slo.tpot_ms)):
-            if ms is not None:
-                body[name] = ms
+        targets = {"slo_ttft_ms": slo.ttft_ms, "slo_itl_ms": slo.itl_ms, "slo_tpot_ms": slo.tpot_ms}
+        body.update({name: ms for name, ms in targets.items() if ms is not None})
     if cfg.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": sample.prompt}]
     else:

@@ -177,7 +177,10 @@ class ServerMetrics:
         # a request's own, else the engine's), by target ("ttft", "itl", "tpot", "all" of its targets).
         slo_labels = ["model_name", "target"]
         slo_met = Counter(
-            "pdserve:request_slo_met", "Finished requests that met their own latency target.", slo_labels, registry=r
+            "pdserve:request_slo_met",
+            "Finished requests that met their own latency target.",
+            slo_labels,
+            registry=r,
         )
         slo_missed = Counter(
             "pdserve:request_slo_missed",

@@ -5,8 +5,8 @@ rule, also the upper bound of the slack rule). `choose_lengths` is the slack rul
 model's cost of a verified draft token and every request's latency budgets for the next step (its own
 ITL target, which the whole step must fit, and its own TPOT slack, which bounds its own drafts), it
 picks the lengths that maximize expected tokens per second of the step (0 for all once the batch is
-compute-bound, fewer when the step's tightest ITL is at risk, fewer for a request behind its TPOT). `SpeculativeExecutor` calls
-both."""
+compute-bound, fewer when the step's tightest ITL is at risk, fewer for a request behind its TPOT).
+`SpeculativeExecutor` calls both."""
 
 from __future__ import annotations
 

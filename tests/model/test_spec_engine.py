@@ -109,7 +109,8 @@ def test_greedy_output_is_unchanged_by_per_request_targets(make_tiny_llm, prompt
         temperature=0, max_tokens=24, ignore_eos=True, slo_ttft_ms=1.0, slo_itl_ms=0.5, slo_tpot_ms=0.5
     )
     loose = SamplingParams(
-        temperature=0, max_tokens=24, ignore_eos=True, slo_ttft_ms=60_000, slo_itl_ms=60_000, slo_tpot_ms=60_000
+        temperature=0, max_tokens=24, ignore_eos=True,
+        slo_ttft_ms=60_000, slo_itl_ms=60_000, slo_tpot_ms=60_000,
     )
     params = [tight if i % 2 else loose for i in range(len(prompts))]
     llm = make_tiny_llm(scheduler="slo", speculative_config={**NGRAM, "slo_tpot_ms": 1000.0})

@@ -193,7 +193,8 @@ def test_executor_gives_a_request_behind_its_own_tpot_no_drafts() -> None:
     cheap = StepTimeModel((0.010, 0.0004, 0.0, 0.0))
     ex = SpeculativeExecutor(FakeExecutor(bm), SPEC, proposer, step_model=cheap, clock=clock)
     loop = EngineLoop(sched, ex, vocab_size=8, max_model_len=256)
-    tight = [loop.add_request(p, SamplingParams(max_tokens=24, ignore_eos=True, slo_tpot_ms=10.0)) for p in PROMPTS]
+    tight_params = SamplingParams(max_tokens=24, ignore_eos=True, slo_tpot_ms=10.0)
+    tight = [loop.add_request(p, tight_params) for p in PROMPTS]
     loose = [loop.add_request(p, SamplingParams(max_tokens=24, ignore_eos=True)) for p in PROMPTS]
     done = {}
     while loop.has_unfinished_requests():
@@ -209,7 +210,13 @@ def test_executor_gives_a_request_behind_its_own_tpot_no_drafts() -> None:
 
 
 def test_request_bodies_carry_the_targets_and_bad_values_are_400() -> None:
-    from pdserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, decode_body, sampling_params
+    from pdserve.server.protocol import (
+        APIError,
+        ChatCompletionRequest,
+        CompletionRequest,
+        decode_body,
+        sampling_params,
+    )
 
     body = b'{"prompt": "hi", "slo_ttft_ms": 100, "slo_itl_ms": 12.5, "slo_tpot_ms": 20}'
     p = sampling_params(decode_body(body, CompletionRequest), 4, None)
