@@ -159,6 +159,8 @@ class SchedulerConfig:
     # (arrival + slo_ttft_ms) first; slo_reject refuses requests predicted to miss their TTFT or to push
     # decode steps past slo_itl_ms. slo_step_model_prior: the model's starting coefficients in seconds
     # (base, per prefill token, per decode sequence, per context token); None: its defaults.
+    # slo_ttft_ms / slo_itl_ms are the defaults of requests that carry no targets of their own
+    # (SamplingParams.slo_ttft_ms / slo_itl_ms; docs/scheduling.md).
     slo_ttft_ms: float = 500.0
     slo_itl_ms: float = 50.0
     slo_min_chunk: int = 32
@@ -257,9 +259,11 @@ class SpeculativeConfig:
     draft_cost: float | None = None
     # length_rule "slack": the acceptance rule's length is an upper bound, and each step's lengths
     # maximize expected tokens per second under the `slo` policy's step-time model, keeping the step
-    # within every request's budget: the policy's slo_itl_ms and, with slo_tpot_ms, what keeps each
-    # request's TPOT so far within it (docs/speculative.md). Without a step-time model (any other
-    # policy) it is the "acceptance" rule: lengths from acceptance alone, the fixed caps above.
+    # within every request's ITL target (its own or the policy's slo_itl_ms) and, with a TPOT target,
+    # each request's own drafts within what keeps its TPOT so far within it (docs/speculative.md).
+    # Without a step-time model (any other policy) it is the "acceptance" rule: lengths from acceptance
+    # alone, the fixed caps above. slo_tpot_ms is the default of requests without their own
+    # SamplingParams.slo_tpot_ms.
     length_rule: str = "slack"
     slo_tpot_ms: float | None = None
 

@@ -50,6 +50,15 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives to return with each sampled token
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # This request's latency targets in milliseconds; None: the engine's (SchedulerConfig.slo_ttft_ms /
+    # slo_itl_ms, SpeculativeConfig.slo_tpot_ms). Only the `slo` policy (EDF deadline, rejection, the
+    # step's ITL budget) and the slack speculation-length rule act on them; other policies ignore them.
+    # Here rather than in a value of their own: SamplingParams already travels with the request through
+    # every boundary (front -> core message, Batch), validated in one place, and vLLM's servers take
+    # extra per-request fields the same way.
+    slo_ttft_ms: float | None = None
+    slo_itl_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -84,6 +93,11 @@ class SamplingParams:
             raise bad("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids must be non-negative integers")
+        for name in ("slo_ttft_ms", "slo_itl_ms", "slo_tpot_ms"):
+            v = getattr(self, name)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+            if v is not None and not ok:
+                raise bad(f"{name} must be a positive finite number of milliseconds, got {v!r}")
 
 
 @dataclass(slots=True)
@@ -164,3 +178,46 @@ class Request:
 
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyTargets:
+    """A request's latency targets in seconds once resolved against the engine's defaults (None: no
+    target on that metric), and how a finished request is judged against them. The judging follows the
+    serving benchmark's `SLO.is_met_by` (`pdserve/bench/metrics.py`): TTFT from arrival, TPOT as the mean
+    after the first token, ITL as the worst gap between two outputs (a step that delivers several
+    speculated tokens at once is one output)."""
+
+    ttft: float | None = None
+    itl: float | None = None
+    tpot: float | None = None
+
+    @classmethod
+    def resolve(
+        cls, params: SamplingParams, ttft: float | None, itl: float | None, tpot: float | None
+    ) -> LatencyTargets:
+        """`params`' own targets where set, else the given engine defaults (seconds or None)."""
+
+        def pick(own_ms: float | None, default: float | None) -> float | None:
+            return default if own_ms is None else own_ms / 1e3
+
+        p = params
+        return cls(pick(p.slo_ttft_ms, ttft), pick(p.slo_itl_ms, itl), pick(p.slo_tpot_ms, tpot))
+
+    @property
+    def is_empty(self) -> bool:
+        return self.ttft is None and self.itl is None and self.tpot is None
+
+    def results(self, ttft: float, max_itl: float | None, tpot: float | None) -> dict[str, bool]:
+        """Per target the request had ("ttft", "itl", "tpot", and "all" when it had any): whether the
+        measured figures (seconds; None: fewer than two outputs, which passes) met it."""
+        out: dict[str, bool] = {}
+        if self.ttft is not None:
+            out["ttft"] = ttft <= self.ttft
+        if self.itl is not None:
+            out["itl"] = max_itl is None or max_itl <= self.itl
+        if self.tpot is not None:
+            out["tpot"] = tpot is None or tpot <= self.tpot
+        if out:
+            out["all"] = all(out.values())
+        return out

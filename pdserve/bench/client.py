@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from pdserve.bench.datasets import SampleRequest
 from pdserve.config import LoadConfig
-from pdserve.bench.metrics import RequestRecord, SpecDecodeCounters
+from pdserve.bench.metrics import SLO, RequestRecord, SpecDecodeCounters
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 PREFIX_HITS_METRIC = "pdserve:prefix_cache_hit_tokens_total"
@@ -55,7 +55,9 @@ def arrival_offsets(num_requests: int, request_rate: float, burstiness: float, s
     return [0.0, *np.cumsum(gaps).tolist()]
 
 
-def request_body(cfg: LoadConfig, sample: SampleRequest) -> dict:
+def request_body(cfg: LoadConfig, sample: SampleRequest, slo: SLO | None = None) -> dict:
+    """The streamed request for `sample`; with `slo`, its targets as the request's own (pdserve's
+    `slo_ttft_ms` / `slo_itl_ms` / `slo_tpot_ms` body fields)."""
     body: dict = {
         "model": cfg.model,
         "max_tokens": sample.output_len,
@@ -64,6 +66,9 @@ def request_body(cfg: LoadConfig, sample: SampleRequest) -> dict:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if slo is not None:
+        targets = {"slo_ttft_ms": slo.ttft_ms, "slo_itl_ms": slo.itl_ms, "slo_tpot_ms": slo.tpot_ms}
+        body.update({name: ms for name, ms in targets.items() if ms is not None})
     if cfg.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": sample.prompt}]
     else:
@@ -193,15 +198,22 @@ async def _send(
 
 
 async def run_requests(
-    cfg: LoadConfig, samples: Sequence[SampleRequest], show_progress: bool = True
+    cfg: LoadConfig,
+    samples: Sequence[SampleRequest],
+    show_progress: bool = True,
+    slos: Sequence[SLO] | None = None,
 ) -> tuple[list[RequestRecord], float]:
     """Replay `samples` against the server; return one record per sample (in sample order) and the
-    duration in seconds from the start to the end of the last stream."""
+    duration in seconds from the start to the end of the last stream. `slos`: per sample, latency
+    targets to send as the request's own (and to judge it by)."""
     url = api_root(cfg.base_url) + ENDPOINTS[cfg.endpoint]
     offsets = arrival_offsets(len(samples), cfg.request_rate, cfg.burstiness, cfg.seed)
+    own = list(slos) if slos is not None else [None] * len(samples)
     records = [
-        RequestRecord(req_id=i, prompt_len=s.prompt_len, requested_output_len=s.output_len, arrival_time=a)
-        for i, (s, a) in enumerate(zip(samples, offsets))
+        RequestRecord(
+            req_id=i, prompt_len=s.prompt_len, requested_output_len=s.output_len, arrival_time=a, slo=slo
+        )
+        for i, (s, a, slo) in enumerate(zip(samples, offsets, own))
     ]
     semaphore = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     bar = tqdm(total=len(samples), disable=not show_progress, desc="requests", unit="req")
@@ -217,10 +229,10 @@ async def run_requests(
             if delay > 0:
                 await asyncio.sleep(delay)
             if semaphore is None:
-                await _send(http, url, request_body(cfg, sample), rec, t0)
+                await _send(http, url, request_body(cfg, sample, rec.slo), rec, t0)
             else:
                 async with semaphore:
-                    await _send(http, url, request_body(cfg, sample), rec, t0)
+                    await _send(http, url, request_body(cfg, sample, rec.slo), rec, t0)
             bar.update(1)
 
         try:

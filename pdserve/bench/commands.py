@@ -64,6 +64,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     arg(p, "--request-rate", LoadConfig, "request_rate", help="requests/s, or inf (default)")
     p.add_argument("--out", default=None, help="write the report (every request's record) to this JSON file")
+    p.add_argument(
+        "--slo-classes", default=None, metavar="SLO[@W];SLO[@W]",
+        help="send per-request latency targets: each request draws a class (weight W, default 1), e.g. "
+        "'ttft=300,itl=50@1;ttft=5000,tpot=200@3', and is judged by it (pdserve's slo_*_ms body fields)",
+    )
     add_workload_args(p)
     p.set_defaults(func=cmd_bench)
     modes = p.add_subparsers(dest="bench_command", metavar="{sweep,compare,machine}")
@@ -143,6 +148,7 @@ def _slo(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Benchmark an OpenAI-compatible server: replay a workload, print the latency table, write JSON."""
+    from pdserve.bench.metrics import parse_slo_classes
     from pdserve.bench.serve_bench import run_bench
 
     if args.base_url is None:
@@ -168,6 +174,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         plot_dir=args.plot_dir,
         trace=args.trace,
         show_progress=not args.no_progress,
+        slo_classes=parse_slo_classes(args.slo_classes) if args.slo_classes else None,
     )
     return 0
 

@@ -10,6 +10,7 @@ Pure Python and numpy: no torch, no network.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,6 +38,9 @@ class RequestRecord:
     tokenizer_output_len: int | None = None
     success: bool = False
     error: str = ""
+    # The latency targets this request carried to the server (`--slo-classes`), which it is judged by;
+    # None: the run's `--slo`.
+    slo: SLO | None = None
 
     @property
     def ttft(self) -> float:
@@ -119,6 +123,34 @@ def parse_slo(text: str) -> SLO:
     return SLO(values.get("ttft"), values.get("tpot"), values.get("itl"))
 
 
+def parse_slo_classes(text: str) -> list[tuple[SLO, float]]:
+    """Parse request classes `SLO[@weight];SLO[@weight]...` (weights default to 1), e.g.
+    `ttft=300,itl=50@1;ttft=5000,tpot=200@3`: a quarter interactive, three quarters batch."""
+    classes: list[tuple[SLO, float]] = []
+    for part in text.split(";"):
+        if not part.strip():
+            continue
+        spec, sep, weight = part.partition("@")
+        try:
+            w = float(weight) if sep else 1.0
+        except ValueError:
+            raise ValueError(f"bad SLO class weight in {part!r}: expected a number") from None
+        if not (w > 0 and math.isfinite(w)):
+            raise ValueError(f"SLO class weight must be > 0, got {part!r}")
+        classes.append((parse_slo(spec), w))
+    if not classes:
+        raise ValueError("no SLO classes: give SLO[@weight];SLO[@weight]...")
+    return classes
+
+
+def assign_slo_classes(classes: list[tuple[SLO, float]], num_requests: int, seed: int) -> list[SLO]:
+    """Each request's class, drawn with the classes' weights (seeded: the same run sends the same mix)."""
+    rng = np.random.default_rng(seed)
+    weights = np.array([w for _, w in classes])
+    picks = rng.choice(len(classes), size=num_requests, p=weights / weights.sum())
+    return [classes[i][0] for i in picks]
+
+
 @dataclass(frozen=True, slots=True)
 class Distribution:
     """Summary of a latency sample, in milliseconds (all zero for an empty sample)."""
@@ -174,7 +206,8 @@ def compute_metrics(records: list[RequestRecord], duration_s: float, slo: SLO | 
     TTFT, TPOT, ITL and E2E come from completed requests only. TPOT is per request and only for requests
     with more than one output token; ITL pools every gap of every request. Goodput is the number of
     completed requests that meet every target of `slo` (see `SLO.is_met_by`) divided by `duration_s`;
-    SLO attainment is that number over all requests sent, in percent. Output-length mismatches are
+    SLO attainment is that number over all requests sent, in percent. A record that carries its own
+    `slo` (sent with per-request targets) is judged by it instead of `slo`. Output-length mismatches are
     counted over the completed requests that carry a `tokenizer_output_len`.
     """
     if duration_s <= 0:
@@ -185,8 +218,8 @@ def compute_metrics(records: list[RequestRecord], duration_s: float, slo: SLO | 
     total_in = sum(r.prompt_len for r in done)
     total_out = sum(r.output_len for r in done)
     num_good = goodput = attainment = None
-    if slo is not None:
-        num_good = sum(slo.is_met_by(r) for r in done)
+    if slo is not None or any(r.slo is not None for r in records):
+        num_good = sum(_slo_of(r, slo).is_met_by(r) for r in done)
         goodput = num_good / duration_s
         attainment = 100.0 * num_good / len(records) if records else 0.0
     counted = [r for r in done if r.tokenizer_output_len is not None]
@@ -265,3 +298,8 @@ def spec_decode_metrics(delta: SpecDecodeCounters) -> SpecDecodeMetrics | None:
         mean_acceptance_length=1.0 + delta.num_accepted_tokens / delta.num_drafts,
         per_position_acceptance=[n / delta.num_drafts for n in delta.accepted_per_pos],
     )
+
+
+def _slo_of(rec: RequestRecord, slo: SLO | None) -> SLO:
+    """The targets `rec` is judged by: its own, else the run's (no targets: every request is good)."""
+    return rec.slo if rec.slo is not None else (slo if slo is not None else SLO())

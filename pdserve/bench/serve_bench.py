@@ -45,6 +45,7 @@ from pdserve.bench.metrics import (
     Distribution,
     RequestRecord,
     SpecDecodeMetrics,
+    assign_slo_classes,
     compute_metrics,
     spec_decode_metrics,
 )
@@ -170,12 +171,14 @@ def run_once(
     slo: SLO | None = None,
     count_tokenizer: Tokenizer | None = None,
     show_progress: bool = True,
+    slos: Sequence[SLO] | None = None,
 ) -> BenchResult:
-    """Replay `samples` once as `load` says and summarize the run."""
+    """Replay `samples` once as `load` says and summarize the run. `slos`: per sample, targets sent as
+    the request's own and judged per request (`slo` judges the others)."""
 
     async def measure() -> tuple[list[RequestRecord], float, str | None, str | None]:
         before = await fetch_metrics_text(load.base_url)
-        records, duration = await run_requests(load, samples, show_progress)
+        records, duration = await run_requests(load, samples, show_progress, slos)
         after = await fetch_metrics_text(load.base_url)
         return records, duration, before, after
 
@@ -216,10 +219,14 @@ def run_bench(
     trace: str | None = None,
     show_progress: bool = True,
     stdout: TextIO | None = None,
+    slo_classes: list[tuple[SLO, float]] | None = None,
 ) -> BenchResult:
     """Run one benchmark; print the table to `stdout` (default: sys.stdout), write JSON to `out`, plots to
     `plot_dir` and a Perfetto trace to `trace`. `count_outputs`: re-count outputs with `tokenizer` (None:
-    only when the served model is pdserve's default)."""
+    only when the served model is pdserve's default). `slo_classes`: (targets, weight) of request classes;
+    each request draws one (seeded), sends it as its own targets and is judged by it."""
+    if slo is not None and slo_classes:
+        raise ValueError("give either an SLO for every request or SLO classes, not both")
     tokenizer = tokenizer or default_tokenizer()
     workload = Workload(
         dataset=dataset, num_prompts=num_prompts, seed=seed, random_input_len=random_input_len,
@@ -232,7 +239,9 @@ def run_bench(
         base_url=base_url, model=model, endpoint=endpoint, request_rate=request_rate, burstiness=burstiness,
         max_concurrency=max_concurrency, seed=seed,
     )
-    result = run_once(load, samples, slo, output_tokenizer(model, tokenizer, count_outputs), show_progress)
+    slos = assign_slo_classes(slo_classes, len(samples), seed) if slo_classes else None
+    counter = output_tokenizer(model, tokenizer, count_outputs)
+    result = run_once(load, samples, slo, counter, show_progress, slos)
     print(format_table(result.metrics, load, result.spec_decode), file=stdout)
     if out is not None:
         write_report(out, result.metrics, result.records, load, dataset, workload=workload, result=result)
@@ -267,9 +276,9 @@ def format_table(m: BenchMetrics, load: LoadConfig, spec: SpecDecodeMetrics | No
     ]
     if m.output_len_mismatches is not None:
         lines.append(row("Output tokens != tokenizer count:", m.output_len_mismatches))
-    if m.slo is not None:
+    if m.num_good is not None:
         lines += [
-            row("SLO:", slo_text(m.slo)),
+            row("SLO:", slo_text(m.slo) if m.slo is not None else "each request's own (--slo-classes)"),
             row("Requests meeting the SLO:", m.num_good),
             row("Request goodput (req/s):", m.goodput),
             row("SLO attainment (%):", m.slo_attainment),

@@ -155,17 +155,24 @@ class SLOAware(Policy):
     then prompts get as many tokens as the step-time model (`step_model.py`, fitted online from the
     engine's measured steps) says fit before the step reaches `slo_itl_ms`, but never fewer than
     `slo_min_chunk`, so prompts always progress even when the decodes alone take longer than the target.
-    Waiting prompts are admitted earliest deadline first (deadline: arrival + `slo_ttft_ms`; with one
-    target for all requests that is arrival order, which differs from the queue's order after preemptions
-    and for requests queued with their own arrival times).
+    Waiting prompts are admitted earliest deadline first (deadline: arrival + the request's TTFT target;
+    with one target for all requests that is arrival order, which differs from the queue's order after
+    preemptions and for requests queued with their own arrival times).
+
+    Targets are per request: `SamplingParams.slo_ttft_ms` / `slo_itl_ms` where set, the config's
+    `slo_ttft_ms` / `slo_itl_ms` otherwise. A step's ITL budget is the tightest ITL target among the
+    running decodes (the requests that wait on this step for a token), so a batch request with a loose
+    target never shrinks the chunks, and an interactive one shrinks them only while it decodes; a step
+    with no decode takes the config's target.
 
     Each step it also predicts when every prompt not yet past its first token will finish, from the prompt
     tokens ahead of it in that order, the step's prompt budget and predicted step time (prefix-cache hits
     and the decodes that finishing prompts add are not foreseen), and counts a request in
     `num_ttft_violations_predicted` the first time the prediction passes its deadline. With `slo_reject`,
     `admission_error` refuses a new request whose own predicted TTFT passes the target, or with which the
-    decode step of all accepted requests (up to `max_num_seqs` at once) would take longer than the ITL
-    target. An idle engine accepts anything: a target out of this machine's reach must not refuse all."""
+    decode step of all accepted requests (up to `max_num_seqs` at once) would take longer than the
+    tightest ITL target among them. An idle engine accepts anything: a target out of this machine's
+    reach must not refuse all."""
 
     name = "slo"
 
@@ -187,23 +194,42 @@ class SLOAware(Policy):
     ) -> None:
         self.step_model.observe(duration, num_prefill_tokens, num_decode_seqs, num_context_tokens)
 
+    def ttft_of(self, req: Request) -> float:
+        """`req`'s time-to-first-token target in seconds: its own, else the config's."""
+        own = req.params.slo_ttft_ms
+        return self.ttft if own is None else own / 1e3
+
+    def itl_of(self, req: Request) -> float:
+        """`req`'s inter-token-latency target in seconds: its own, else the config's."""
+        own = req.params.slo_itl_ms
+        return self.itl if own is None else own / 1e3
+
+    def deadline(self, req: Request) -> float:
+        """When `req`'s first token is due (the EDF key)."""
+        return req.arrival_time + self.ttft_of(req)
+
     def prefill_budget(self, running: Iterable[Request]) -> tuple[int, float, int]:
         """(prompt tokens for this step, predicted step time with all of them, prompt tokens that running
         requests still have to compute). The step's context is that of every running request: decodes
         read theirs plus the new token, running prompts theirs plus their chunk. A decode's draft tokens
-        (speculative decoding) are decode tokens too, as the model learns them (`observe_step`)."""
+        (speculative decoding) are decode tokens too, as the model learns them (`observe_step`). The step
+        must fit the tightest ITL target of the running decodes (the config's when none decodes)."""
         num_decodes = context = prompt_left = 0
+        itl = math.inf
         for req in running:
             if req.is_decode:
                 num_decodes += 1 + len(req.spec_token_ids)
                 context += req.num_computed_tokens + 1
+                itl = min(itl, self.itl_of(req))
             else:
                 context += req.num_computed_tokens
                 prompt_left += req.num_tokens - req.num_computed_tokens
+        if itl == math.inf:
+            itl = self.itl
         a, b, c, d = self.step_model.coefficients
         fixed = a + c * num_decodes + d * context
         per_token = b + d  # a prompt token also adds itself to the context
-        room = self.itl - fixed
+        room = itl - fixed
         if room <= 0:
             fit = 0
         elif room >= per_token * self.max_num_batched_tokens:
@@ -215,7 +241,7 @@ class SLOAware(Policy):
 
     def plan(self, running: Sequence[Request], waiting: Sequence[Request]) -> list[StepPlan]:
         budget, step_time, _ = self.prefill_budget(running)
-        order = tuple(sorted(waiting, key=_arrival))  # earliest deadline first (stable on ties)
+        order = tuple(sorted(waiting, key=self.deadline))  # earliest deadline first (stable on ties)
         self._count_late(chain((r for r in running if not r.is_decode), order), budget, step_time)
         plan = StepPlan(
             running_first=True, run_decodes=True, admit=True, whole_prompts=False,
@@ -235,7 +261,7 @@ class SLOAware(Policy):
                 continue
             if req.req_id in self._late:
                 late.add(req.req_id)
-            elif now + math.ceil(ahead / budget) * step_time > req.arrival_time + self.ttft:
+            elif now + math.ceil(ahead / budget) * step_time > self.deadline(req):
                 late.add(req.req_id)
                 self.num_ttft_violations_predicted += 1
         self._late = late  # rebuilt each step: requests past their first token, or gone, drop out
@@ -247,25 +273,27 @@ class SLOAware(Policy):
         if not self.reject or not (running or waiting):
             return None
         budget, step_time, prompt_left = self.prefill_budget(running)
+        deadline, ttft_target = self.deadline(req), self.ttft_of(req)
         ahead = prompt_left + req.num_tokens
-        ahead += sum(r.num_tokens for r in waiting if r.arrival_time <= req.arrival_time)  # nothing computed
+        ahead += sum(r.num_tokens for r in waiting if self.deadline(r) <= deadline)  # EDF: ahead of it
         ttft = self.clock() + math.ceil(ahead / budget) * step_time - req.arrival_time
-        if ttft > self.ttft:
+        if ttft > ttft_target:
             self.num_rejected += 1
             return (
-                f"the server cannot meet its time-to-first-token target now: predicted {ttft * 1e3:.0f} ms "
-                f"(target {self.ttft * 1e3:.0f} ms, {ahead} prompt tokens queued); retry later"
+                f"the server cannot meet the time-to-first-token target now: predicted {ttft * 1e3:.0f} ms "
+                f"(target {ttft_target * 1e3:.0f} ms, {ahead} prompt tokens queued); retry later"
             )
         num_accepted = len(running) + len(waiting) + 1
         context = sum(r.num_tokens for r in running) + sum(r.num_tokens for r in waiting) + req.num_tokens
         num_decodes = min(num_accepted, self.max_num_seqs)
         decode_time = self.step_model.predict(0, num_decodes, context * num_decodes / num_accepted)
-        if decode_time > self.itl:
+        itl_target = min(self.itl_of(r) for r in chain(running, waiting, (req,)))
+        if decode_time > itl_target:
             self.num_rejected += 1
             return (
-                f"the server cannot meet its inter-token latency target now: a decode step of "
+                f"the server cannot meet the inter-token latency target now: a decode step of "
                 f"{num_decodes} requests is predicted to take {decode_time * 1e3:.0f} ms "
-                f"(target {self.itl * 1e3:.0f} ms); retry later"
+                f"(target {itl_target * 1e3:.0f} ms); retry later"
             )
         return None
 
@@ -275,10 +303,6 @@ class SLOAware(Policy):
         out["slo_ttft_violations_predicted_total"] = self.num_ttft_violations_predicted
         out["slo_rejected_requests_total"] = self.num_rejected
         return out
-
-
-def _arrival(req: Request) -> float:
-    return req.arrival_time
 
 
 # name -> the policy class; every one is built as `cls(config, clock)`. `config.SCHEDULER_POLICIES` spells

@@ -85,6 +85,7 @@ _REQUEST_BUCKETS = (
     240.0,
     480.0,
 )
+SLO_TARGETS = ("ttft", "itl", "tpot", "all")  # the `target` label of the request_slo series
 _STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _RATIO_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
 
@@ -172,6 +173,23 @@ class ServerMetrics:
         self.finished = {
             reason: finished.labels(model_name, reason) for reason in ("stop", "length", "error")
         }
+        # Per-request goodput: finished requests against their own latency targets (`LatencyTargets`:
+        # a request's own, else the engine's), by target ("ttft", "itl", "tpot", "all" of its targets).
+        slo_labels = ["model_name", "target"]
+        slo_met = Counter(
+            "pdserve:request_slo_met",
+            "Finished requests that met their own latency target.",
+            slo_labels,
+            registry=r,
+        )
+        slo_missed = Counter(
+            "pdserve:request_slo_missed",
+            "Finished requests that missed their own latency target (failed ones miss all).",
+            slo_labels,
+            registry=r,
+        )
+        self.slo_met = {t: slo_met.labels(model_name, t) for t in SLO_TARGETS}
+        self.slo_missed = {t: slo_missed.labels(model_name, t) for t in SLO_TARGETS}
         self._model_name = model_name
         # The scheduling policy's own series (`Policy.stats()`), whatever the policy: key -> value.
         self.policy_series: dict[str, float] = {}
@@ -316,6 +334,10 @@ class ServerMetrics:
         self.e2e.observe(e2e)
         if num_output_tokens > 1:
             self.tpot.observe(decode_time / (num_output_tokens - 1))
+
+    def observe_slo(self, results: dict[str, bool]) -> None:
+        for target, met in results.items():
+            (self.slo_met if met else self.slo_missed)[target].inc()
 
     def observe_aborted(self, num_requests: int) -> None:
         self.aborted.inc(num_requests)

@@ -5,7 +5,8 @@ Bodies are decoded strictly (a string where a number belongs is a 400, not a coe
 may send that pdserve does not implement are accepted at their neutral values and refused otherwise, so
 no request silently gets behaviour it did not ask for. Unknown fields are ignored, as OpenAI's own
 clients send fields this server has no use for. `ignore_eos`, `top_k`, `min_p`, `stop_token_ids`,
-`include_stop_str_in_output` and `skip_special_tokens` are extensions with vLLM's names.
+`include_stop_str_in_output` and `skip_special_tokens` are extensions with vLLM's names; `slo_ttft_ms`,
+`slo_itl_ms` and `slo_tpot_ms` (per-request latency targets, positive milliseconds) are pdserve's own.
 """
 
 from __future__ import annotations
@@ -87,6 +88,11 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     stop_token_ids: StopTokenIds | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    # Per-request latency targets in ms (SamplingParams' names; None: the engine's), acted on by the
+    # `slo` policy and the slack speculation-length rule, and judged in `pdserve:request_slo_*_total`.
+    slo_ttft_ms: float | None = None
+    slo_itl_ms: float | None = None
+    slo_tpot_ms: float | None = None
     # Disaggregation (set by `pdserve router`, see docs/disaggregation.md):
     # {"remote_prefill": true, "transfer_id": T} on a decode instance,
     # {"remote_decode": {"transfer_id": T, "address": A, "skip_tokens": N}} on a prefill instance.
@@ -200,6 +206,9 @@ def sampling_params(req: _GenerationRequest, max_tokens: int, logprobs: int | No
             logprobs=logprobs,
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
             skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens,
+            slo_ttft_ms=req.slo_ttft_ms,
+            slo_itl_ms=req.slo_itl_ms,
+            slo_tpot_ms=req.slo_tpot_ms,
         )
     except InvalidRequestError as e:
         name = str(e).split(" ", 1)[0]

@@ -50,8 +50,8 @@ class SpeculativeExecutor:
     ) -> None:
         """`draft_cost`: one proposal step's time in target steps (a draft model's; see SpecLengthController).
         `step_model`: the scheduler's (`Scheduler.step_model`, the `slo` policy's), None without one;
-        `itl_target`: the longest step (seconds) every request tolerates, None for none; `clock`: that of
-        `Request.first_token_time`, for TPOT budgets."""
+        `itl_target`: the longest step (seconds) a request without its own `slo_itl_ms` tolerates, None
+        for none; `clock`: that of `Request.first_token_time`, for TPOT budgets."""
         self.inner = inner
         self.config = config
         self.proposer = proposer if proposer is not None else make_proposer(config)
@@ -127,9 +127,11 @@ class SpeculativeExecutor:
     ) -> list[int]:
         """The slack rule. The next step is taken to be this one with every sampling request at one
         decode token and every request still in its prompt at another chunk of this step's size; each
-        verified draft adds the model's per-decode-token coefficient. A request's budget is the ITL
-        target and, with a TPOT target, the longest next step after which its TPOT so far (first token
-        to the next one) stays within it."""
+        verified draft adds the model's per-decode-token coefficient. Request i's step budget is its ITL
+        target (`SamplingParams.slo_itl_ms`, else the engine's): the step must fit the tightest. Its own
+        budget, with a TPOT target (its own `slo_tpot_ms`, else the config's), is the longest next step
+        after which its TPOT so far (first token to the next one) stays within it: that bounds only its
+        own drafts (`choose_lengths`)."""
         assert self.step_model is not None
         live = [self._continues(s.req) for s in sampling]
         num_decodes = sum(live)
@@ -138,17 +140,21 @@ class SpeculativeExecutor:
         base = self.step_model.predict(prompt_tokens, num_decodes, context)
         cost = StepCost(base, self.step_model.coefficients[2])
         now = self.clock()
-        budgets: list[float | None] = []
+        step_budgets: list[float | None] = []
+        own_budgets: list[float | None] = []
         for s, tokens, alive in zip(sampling, sampled, live):
-            budget = self.itl_target if alive else None
-            if alive and self.tpot_target is not None:
+            params = s.req.params
+            itl = self.itl_target if params.slo_itl_ms is None else params.slo_itl_ms / 1e3
+            tpot = self.tpot_target if params.slo_tpot_ms is None else params.slo_tpot_ms / 1e3
+            own = None
+            if alive and tpot is not None:
                 first = s.req.first_token_time if s.req.first_token_time is not None else now
                 n = s.req.num_output_tokens + len(tokens)  # its outputs once this step's are in
-                tpot_budget = self.tpot_target * n - (now - first)
-                budget = tpot_budget if budget is None else min(budget, tpot_budget)
-            budgets.append(budget)
+                own = tpot * n - (now - first)
+            step_budgets.append(itl if alive else None)
+            own_budgets.append(own)
         acceptances = [self.lengths.acceptance(s.req.req_id) for s in sampling]
-        return choose_lengths(caps, acceptances, cost, budgets)
+        return choose_lengths(caps, acceptances, cost, step_budgets, own_budgets)
 
     def apply_swaps(self, swap_in: list[tuple[int, int]], swap_out: list[tuple[int, int]]) -> None:
         self.inner.apply_swaps(swap_in, swap_out)

@@ -2,9 +2,11 @@
 
 `SpecLengthController` keeps each request's measured acceptance and its acceptance-only length (today's
 rule, also the upper bound of the slack rule). `choose_lengths` is the slack rule: given the step-time
-model's cost of a verified draft token and every request's latency budget for the next step, it picks
-the lengths that maximize expected tokens per second of the step (0 for all once the batch is
-compute-bound, fewer when a request's ITL/TPOT is at risk). `SpeculativeExecutor` calls both."""
+model's cost of a verified draft token and every request's latency budgets for the next step (its own
+ITL target, which the whole step must fit, and its own TPOT slack, which bounds its own drafts), it
+picks the lengths that maximize expected tokens per second of the step (0 for all once the batch is
+compute-bound, fewer when the step's tightest ITL is at risk, fewer for a request behind its TPOT).
+`SpeculativeExecutor` calls both."""
 
 from __future__ import annotations
 
@@ -89,19 +91,26 @@ def choose_lengths(
     acceptances: Sequence[float],
     cost: StepCost,
     step_budgets: Sequence[float | None],
+    own_budgets: Sequence[float | None] | None = None,
 ) -> list[int]:
     """Each request's drafts for the next step, k_i in 0..caps[i], maximizing the step's goodput
 
         sum_i expected_tokens(a_i, k_i) / (cost.base + cost.per_token * sum_i k_i)
 
-    subject to the step time staying within every request's budget (`step_budgets[i]`, seconds; None:
-    no latency target). Pure; `docs/speculative.md` ("Speculation length from latency slack") has the
-    derivation. The j-th draft of request i adds a_i**j expected tokens for `per_token` seconds and these
-    gains shrink with j, so the best allocation of K draft tokens takes the K largest gains over all
-    requests; goodput rises with K while the next gain g satisfies g > per_token * goodput, and once it
-    does not it never will again (sorted gains fall, goodput stays above g / per_token), so adding gains
-    in order and stopping there is exact. A budget below `base` (at risk even without drafts) allows none."""
+    subject to two kinds of per-request budget (seconds; None: no target):
+    - `step_budgets[i]`: the longest step request i tolerates from anyone's drafts (its ITL target: every
+      request of the step waits for the whole step), so the step must fit the smallest;
+    - `own_budgets[i]`: the longest step request i's *own* drafts may make, `base + per_token * k_i`
+      (its TPOT slack: a request behind its TPOT bets none of it on drafts; one with slack may).
+    Pure; `docs/speculative.md` ("Speculation length from latency slack") has the derivation. The j-th
+    draft of request i adds a_i**j expected tokens for `per_token` seconds and these gains shrink with j,
+    so the best allocation of K draft tokens takes the K largest gains over all requests (an own budget
+    only shortens request i's list of gains); goodput rises with K while the next gain g satisfies
+    g > per_token * goodput, and once it does not it never will again (sorted gains fall, goodput stays
+    above g / per_token), so adding gains in order and stopping there is exact. A budget below `base`
+    (at risk even without drafts) allows none: for everyone (a step budget) or for that request (own)."""
     n = len(caps)
+    caps = [_own_cap(cap, b, cost) for cap, b in zip(caps, own_budgets or [None] * n)]
     budgets = [b for b in step_budgets if b is not None]
     max_total = sum(caps)
     if budgets:
@@ -122,3 +131,13 @@ def choose_lengths(
         tokens += gain
         step_time += cost.per_token
     return lengths
+
+
+def _own_cap(cap: int, own_budget: float | None, cost: StepCost) -> int:
+    """The drafts `own_budget` leaves request i: none when even the draft-free step passes it."""
+    if own_budget is None:
+        return cap
+    room = own_budget - cost.base
+    if room <= 0:
+        return 0
+    return cap if cost.per_token <= 0 else min(cap, math.floor(room / cost.per_token))

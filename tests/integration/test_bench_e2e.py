@@ -15,7 +15,7 @@ from pdserve.cli import main
 from pdserve.model.loader import default_model_path
 from pdserve.model.tokenizer import load_tokenizer
 from pdserve.server.launcher import ServerProcess
-from tests.support.server import MODEL, quiet_env, tiny_server_args
+from tests.support.server import MODEL, quiet_env, scrape, tiny_server_args
 
 NUM_PROMPTS = 8
 INPUT_LEN, OUTPUT_LEN = 24, 12
@@ -128,6 +128,34 @@ def test_cli_bench_chat_endpoint_with_rate(server, tmp_path, capsys):
     _check_records(report["records"])
     arrivals = [r["arrival_time"] for r in report["records"]]
     assert arrivals[0] == 0.0 and arrivals == sorted(arrivals) and arrivals[-1] > 0
+
+
+def test_cli_bench_sends_per_request_slo_classes(server, tmp_path, capsys):
+    """Smoke: two request classes sent with their own targets; the server accepts them, every record
+    carries its class, goodput is judged per request, and the server's per-request goodput moved."""
+    out = tmp_path / "classes.json"
+    before = scrape(server.url)
+    rc = main(
+        [
+            "bench", "--base-url", server.url, "--model", MODEL, "--dataset", "random",
+            "--num-prompts", str(NUM_PROMPTS), "--random-input-len", str(INPUT_LEN),
+            "--random-output-len", str(OUTPUT_LEN),
+            "--slo-classes", "ttft=60000,itl=60000@1;ttft=0.001@1", "--out", str(out), "--no-progress",
+        ]
+    )
+    assert rc == 0
+    assert "each request's own (--slo-classes)" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    _check_records(report["records"])
+    own = [r["slo"]["ttft_ms"] for r in report["records"]]
+    assert set(own) <= {60000.0, 0.001} and len(own) == NUM_PROMPTS
+    assert report["metrics"]["num_good"] == own.count(60000.0)
+    after = scrape(server.url)
+    judged = sum(
+        after.get(f"pdserve:request_slo_{k}_total", 0.0) - before.get(f"pdserve:request_slo_{k}_total", 0.0)
+        for k in ("met", "missed")
+    )
+    assert judged >= NUM_PROMPTS  # each request: its ttft (and itl) plus "all"
 
 
 def test_failed_requests_are_recorded_not_raised(server, tokenizer):

@@ -79,3 +79,17 @@ def test_offline_generate_aborts_what_it_queued_when_one_is_refused(tiny_weights
     assert not llm.engine.has_unfinished_requests()
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_rejection_reads_each_requests_own_ttft(tiny_weights) -> None:
+    """The engine's TTFT target is generous; a request with a 0.001 ms target of its own is refused
+    behind queued work, one with none (or a generous one) beside it is accepted."""
+    engine = slo_engine(tiny_weights, slo_reject=True, slo_ttft_ms=60_000.0)
+    engine.add_request([5] * 20, GREEDY)
+    tight = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, slo_ttft_ms=0.001)
+    with pytest.raises(SLORejectedError, match="target 0 ms"):
+        engine.add_request([6] * 20, tight, req_id="tight")
+    engine.add_request([6] * 20, GREEDY, req_id="plain")
+    assert "plain" in engine.scheduler.requests and "tight" not in engine.scheduler.requests
+    while engine.has_unfinished_requests():
+        engine.step()

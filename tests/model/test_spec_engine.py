@@ -98,3 +98,22 @@ def test_greedy_output_is_unchanged_by_the_length_rule(make_tiny_llm, prompts, r
     spec = llm.engine.spec_executor
     assert spec is not None and spec.stats.num_length_choices > 0
     assert (spec.step_model is not None) == (rule["length_rule"] == "slack")
+
+
+def test_greedy_output_is_unchanged_by_per_request_targets(make_tiny_llm, prompts) -> None:  # type: ignore[no-untyped-def]
+    """Two classes in one `slo` engine with the slack rule: interactive requests with tight targets of
+    their own (TTFT, ITL, TPOT) beside batch requests with loose ones. Targets change the order and the
+    lengths, never the tokens."""
+    want = tokens(make_tiny_llm(scheduler="slo"), prompts)
+    tight = SamplingParams(
+        temperature=0, max_tokens=24, ignore_eos=True, slo_ttft_ms=1.0, slo_itl_ms=0.5, slo_tpot_ms=0.5
+    )
+    loose = SamplingParams(
+        temperature=0, max_tokens=24, ignore_eos=True,
+        slo_ttft_ms=60_000, slo_itl_ms=60_000, slo_tpot_ms=60_000,
+    )
+    params = [tight if i % 2 else loose for i in range(len(prompts))]
+    llm = make_tiny_llm(scheduler="slo", speculative_config={**NGRAM, "slo_tpot_ms": 1000.0})
+    assert tokens(llm, prompts, params) == want
+    spec = llm.engine.spec_executor
+    assert spec is not None and spec.stats.num_length_choices > 0

@@ -158,3 +158,35 @@ def test_streamed_text_of_completions_and_chat_chunks():
     assert _choice_text({"index": 0, "delta": {"content": " world"}}) == " world"
     assert _choice_text({"index": 0, "delta": {"role": "assistant"}}) == ""
     assert _choice_text({"index": 0, "delta": {"content": None}, "finish_reason": "length"}) == ""
+
+
+def test_slo_classes_parse_assign_and_judge_each_request_by_its_own():
+    from pdserve.bench.client import request_body
+    from pdserve.bench.datasets import SampleRequest
+    from pdserve.bench.metrics import assign_slo_classes, parse_slo_classes
+    from pdserve.config import LoadConfig
+
+    classes = parse_slo_classes("ttft=150,itl=150@1; ttft=5000,tpot=300@3")
+    assert classes == [(SLO(150.0, None, 150.0), 1.0), (SLO(5000.0, 300.0, None), 3.0)]
+    assert parse_slo_classes("ttft=100") == [(SLO(100.0, None, None), 1.0)]
+    for bad in ("", ";", "ttft=100@0", "ttft=100@x", "e2e=5@1"):
+        with pytest.raises(ValueError):
+            parse_slo_classes(bad)
+    drawn = assign_slo_classes(classes, 400, seed=0)
+    assert drawn == assign_slo_classes(classes, 400, seed=0)  # seeded
+    assert 60 < sum(s == classes[0][0] for s in drawn) < 140  # about a quarter
+
+    body = request_body(LoadConfig(base_url="http://x", model="m"), SampleRequest("hi", 1, 4), classes[0][0])
+    assert (body["slo_ttft_ms"], body["slo_itl_ms"]) == (150.0, 150.0) and "slo_tpot_ms" not in body
+    plain = request_body(LoadConfig(base_url="http://x", model="m"), SampleRequest("hi", 1, 4))
+    assert "slo_ttft_ms" not in plain
+
+    # A (TTFT 100 ms, gaps 100 ms) judged by the tight class meets it; B (TTFT 300 ms) misses it; C
+    # (TTFT 200 ms, one token) by the loose class meets it; D failed. Without --slo, goodput counts
+    # from the records' own.
+    records = trace()
+    for r, s in zip(records, [classes[0][0], classes[0][0], classes[1][0], classes[1][0]]):
+        r.slo = s
+    m = compute_metrics(records, 4.0)
+    assert m.slo is None and m.num_good == 2 and m.slo_attainment == pytest.approx(50.0)
+    assert compute_metrics(trace(), 4.0).num_good is None  # no targets anywhere: no goodput

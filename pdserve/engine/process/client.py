@@ -33,7 +33,7 @@ import zmq
 import zmq.asyncio
 
 from pdserve.errors import PdserveError
-from pdserve.request import SamplingParams
+from pdserve.request import LatencyTargets, SamplingParams
 from pdserve.config import ServerConfig
 from pdserve.engine.process.core import CoreAddresses, run_engine_core
 from pdserve.engine.process.messages import (
@@ -78,6 +78,9 @@ class FrontObserver(Protocol):
 
     def observe_finished(self, reason: str, e2e: float, decode_time: float, num_output_tokens: int) -> None: ...
 
+    def observe_slo(self, results: dict[str, bool]) -> None:
+        """A finished request against its own latency targets (`LatencyTargets.results`)."""
+
     def observe_aborted(self, num_requests: int) -> None: ...
 
     def observe_failed(self, num_requests: int) -> None:
@@ -96,9 +99,11 @@ class _Tracked:
     index: int
     arrival_time: float
     num_prompt_tokens: int
+    targets: LatencyTargets = LatencyTargets()
     first_token_time: float | None = None
     last_token_time: float = 0.0
     num_output_tokens: int = 0
+    max_itl: float | None = None  # the longest gap between two outputs so far
 
 
 class EngineClient:
@@ -110,6 +115,15 @@ class EngineClient:
         self.dead_reason: str | None = None
         self._requests: dict[str, _Tracked] = {}
         self._num_waiting_first = 0  # tracked requests without a first token yet
+        # The engine's targets (seconds) for requests that set none: TTFT and ITL are the `slo` policy's,
+        # TPOT the slack speculation rule's; under another policy a request is judged only on its own.
+        sc, spec = config.engine.scheduler, config.engine.speculative
+        slo = sc.policy == "slo"
+        self._default_targets = (
+            sc.slo_ttft_ms / 1e3 if slo else None,
+            sc.slo_itl_ms / 1e3 if slo else None,
+            spec.slo_tpot_ms / 1e3 if spec is not None and spec.slo_tpot_ms is not None else None,
+        )
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._tmpdir: str | None = None
         self._ctx: zmq.Context | None = None
@@ -299,7 +313,8 @@ class EngineClient:
             self._send(AddRequest(req_id, prompt_token_ids, params, now, kv_transfer))
         except zmq.Again:
             raise OverloadedError("the engine's input queue is full; retry later") from None
-        self._requests[req_id] = _Tracked(queue, index, now, len(prompt_token_ids))
+        targets = LatencyTargets.resolve(params, *self._default_targets)
+        self._requests[req_id] = _Tracked(queue, index, now, len(prompt_token_ids), targets)
         self._num_waiting_first += 1
 
     def abort(self, req_ids: list[str]) -> None:
@@ -367,7 +382,9 @@ class EngineClient:
                     m.observe_first_token(now - t.arrival_time, queue_time, t.num_prompt_tokens)
                     m.observe_tokens(n, None)
                 else:
-                    m.observe_tokens(n, now - t.last_token_time)
+                    gap = now - t.last_token_time
+                    m.observe_tokens(n, gap)
+                    t.max_itl = gap if t.max_itl is None else max(t.max_itl, gap)
                 t.last_token_time = now
                 t.num_output_tokens += n
             if d.finish_reason is not None:
@@ -379,6 +396,8 @@ class EngineClient:
                     m.observe_finished(
                         d.finish_reason, now - t.arrival_time, now - first, t.num_output_tokens
                     )
+                    if not t.targets.is_empty:
+                        m.observe_slo(self._slo_results(t, d.finish_reason, now))
             t.queue.put_nowait((t.index, d))
 
     def _on_core_exit(self) -> None:
@@ -427,8 +446,20 @@ class EngineClient:
             logger.info("engine core restarted (%d restarts so far)", self.num_restarts)
             return
 
+    @staticmethod
+    def _slo_results(t: _Tracked, finish_reason: str, now: float) -> dict[str, bool]:
+        """How a request that finished at `now` did against its targets; a failed one met none."""
+        first = t.first_token_time
+        if finish_reason == "error" or first is None:
+            return {k: False for k in t.targets.results(0.0, None, None)}
+        tpot = (now - first) / (t.num_output_tokens - 1) if t.num_output_tokens > 1 else None
+        return t.targets.results(first - t.arrival_time, t.max_itl, tpot)
+
     def _fail_all(self, message: str) -> None:
+        now = time.monotonic()
         for req_id in list(self._requests):
             t = self._forget(req_id)
             self.metrics.observe_failed(1)
+            if not t.targets.is_empty:
+                self.metrics.observe_slo(self._slo_results(t, "error", now))
             t.queue.put_nowait((t.index, RequestDelta(req_id, [], "", "error", error=message)))
