@@ -344,13 +344,6 @@ class EngineConfig:
             raise ValueError(f"unknown weight dtype {self.weight_dtype!r}; choose from {list(WEIGHT_DTYPES)}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
-        if self.cache.kv_cache_dtype == "int4" and self.kv_transfer.backend is not None:
-            from pdserve.errors import UnsupportedConfigError
-
-            raise UnsupportedConfigError(
-                "kv_cache_dtype int4 cannot be used with KV transfer (disaggregation) yet: moving open "
-                "int4 blocks between instances is not implemented; use int8 or an unquantized KV cache"
-            )
 
     @property
     def autotune_dir(self) -> str | None:

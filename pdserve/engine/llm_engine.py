@@ -288,10 +288,6 @@ class LLMEngine(EngineLoop):
         kc = self.config.kv_transfer
         if transport is None and kc.backend is None:
             return None
-        if self.kv_layout.is_int4:  # (config validation refuses a backend; this is a transport passed in)
-            from pdserve.errors import UnsupportedConfigError
-
-            raise UnsupportedConfigError("kv_cache_dtype int4 cannot be used with KV transfer (disaggregation) yet")
         if transport is None:
             layout = self.kv_layout
             cls = transport_class(kc.backend)  # type: ignore[arg-type]

@@ -138,21 +138,55 @@ class KVLayout:
         return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * self.residual_dtype.itemsize
 
     # A transfer's payload for one layer and n tokens: `[2, kv_heads, n, head_dim]` in the storage dtype,
-    # or for a quantized layout `[2, kv_heads, n, token_row_bytes]` uint8 (each row: the values' bytes,
-    # then the scale's), so transports move one tensor and never learn about scales.
+    # or for int8/fp8 `[2, kv_heads, n, token_row_bytes]` uint8 (each row: the values' bytes, then the
+    # scale's), so transports move one tensor and never learn about scales. int4 moves what it stores,
+    # which is not a row per token: `[2, kv_heads, chunk_len(n)]` uint8 (`gather_tokens` says what the
+    # bytes are). A transport only slices dim 2, by `chunk_len`, and counts tokens by `chunk_num_tokens`.
     @property
     def chunk_dtype(self) -> torch.dtype:
-        return torch.uint8 if self.quantized else self.dtype
+        return torch.uint8 if self.quantized or self.is_int4 else self.dtype
 
-    def chunk_shape(self, num_tokens: int) -> tuple[int, int, int, int]:
+    def chunk_shape(self, num_tokens: int) -> tuple[int, ...]:
         if self.is_int4:
-            raise NotImplementedError("moving an int4 KV cache between instances is not implemented yet")
+            return (2, self.num_kv_heads, self.chunk_len(num_tokens))
         last = self.token_row_bytes if self.quantized else self.head_dim
         return (2, self.num_kv_heads, num_tokens, last)
 
+    @property
+    def int4_block_row_bytes(self) -> int:
+        """int4: one sealed block of one kv head in a payload, for K (payload[0]) or V (payload[1]): its
+        packed values, then the block's scales (payload[0]) or zeros (payload[1]), K's per channel and V's
+        per token, as the cache's `k_qparams` / `v_qparams` index them."""
+        return self.block_size * self.head_dim // 2 + (self.head_dim + self.block_size) * int4.SCALE_DTYPE.itemsize
+
+    def chunk_len(self, num_tokens: int) -> int:
+        """The extent along a payload's dim 2 of `num_tokens` tokens. int4: tokens from a block boundary,
+        whole blocks sealed, then the open block's tokens as their unquantized rows (the residual dtype's)."""
+        if not self.is_int4:
+            return num_tokens
+        full, tail = divmod(num_tokens, self.block_size)
+        return full * self.int4_block_row_bytes + tail * self.head_dim * self.residual_dtype.itemsize
+
+    def chunk_num_tokens(self, length: int, max_tokens: int) -> int:
+        """How many tokens a payload of `length` along dim 2 holds, for a chunk that may hold at most
+        `max_tokens` (the rest of its transfer). int4: a chunk is whole blocks unless it ends the
+        transfer, and whole blocks that fit in `max_tokens` are shorter than the chunk that ends it
+        (k <= floor(max_tokens / block_size) blocks), so the length tells which. Raises ValueError for a
+        length no such chunk has."""
+        if not self.is_int4:
+            return length
+        if length == self.chunk_len(max_tokens):
+            return max_tokens
+        full, rest = divmod(length, self.int4_block_row_bytes)
+        if rest or full * self.block_size > max_tokens:
+            raise ValueError(f"an int4 KV payload of {length} bytes per row is no chunk of at most {max_tokens} tokens")
+        return full * self.block_size
+
     def key(self) -> str:
-        """A compact fingerprint for the transfer handshake: equal keys, compatible caches."""
-        return f"{self.kv_dtype}/L{self.num_layers}/H{self.num_kv_heads}/D{self.head_dim}/B{self.block_size}"
+        """A compact fingerprint for the transfer handshake: equal keys, compatible caches (int4: its
+        open blocks travel unquantized, so the residual dtype is part of it)."""
+        dtype = f"{self.kv_dtype}+{kv_dtype_name(self.residual_dtype)}" if self.is_int4 else self.kv_dtype
+        return f"{dtype}/L{self.num_layers}/H{self.num_kv_heads}/D{self.head_dim}/B{self.block_size}"
 
     def describe(self) -> str:
         return (
@@ -424,7 +458,10 @@ class KVCache:
 
     # ---- transfer: one layer's tokens by slot, values and scales in one payload ---------------------
     def gather_tokens(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """The K/V of `slots` in `layer` as a transfer payload (`KVLayout.chunk_shape(len(slots))`, a copy)."""
+        """The K/V of `slots` in `layer` as a transfer payload (`KVLayout.chunk_shape(len(slots))`, a copy).
+        int4: the slots start at a block boundary; see `_gather_int4_tokens`."""
+        if self.is_int4:
+            return self._gather_int4_tokens(layer, slots)
         d = self.data[layer]  # [2, KVH, NB, BS, D]
         values = d.view(2, d.shape[1], -1, d.shape[4]).index_select(2, slots)
         if self.scales is None:
@@ -442,6 +479,9 @@ class KVCache:
                 f"({lay.chunk_shape(slots.numel())} {lay.chunk_dtype})"
             )
         payload = payload.to(self.device)
+        if self.is_int4:
+            self._scatter_int4_tokens(layer, slots, payload)
+            return
         d = self.data[layer]
         values_view = _bits(d).view(2, d.shape[1], -1, d.shape[4])
         if self.scales is None:
@@ -453,6 +493,73 @@ class KVCache:
         values_view.index_copy_(2, slots, values)
         s = self.scales[layer]
         s.view(2, s.shape[1], -1).index_copy_(2, slots, scales)
+
+    def _chunk_blocks(self, slots: torch.Tensor) -> tuple[torch.Tensor, int | None, int]:
+        """int4: the whole blocks a chunk's slots cover, the block of its open tail (None if it ends on a
+        boundary) and the tail's token count."""
+        bs = self.block_size
+        if slots.numel() == 0 or int(slots[0]) % bs:
+            raise ValueError("an int4 KV chunk starts at a block boundary and holds a token")
+        full, tail = divmod(slots.numel(), bs)
+        blocks = slots[::bs] // bs
+        return blocks[:full], (int(blocks[full]) if tail else None), tail
+
+    def _gather_int4_tokens(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """int4 moves what it stores, so that the receiver ends with the state this cache will have: per
+        K (payload[0]) and V (payload[1]) and kv head, every whole block sealed (packed values, then the
+        block's scales in payload[0] and its zeros in payload[1]: `KVLayout.int4_block_row_bytes`), then
+        the open last block's tokens as they sit in the residual pool. A whole block still open (written
+        this step, sealed by the next) is quantized here by the function sealing uses: the same bytes."""
+        lay = self.layout
+        sealed, open_block, tail = self._chunk_blocks(slots)
+        packed = self.data[layer].index_select(2, sealed)  # [2, KVH, n, BS, D / 2]
+        k_qp = self.k_qparams[layer].index_select(2, sealed)  # [2 (scale, zero), KVH, n, D]
+        v_qp = self.v_qparams[layer].index_select(2, sealed)  # [2 (scale, zero), KVH, n, BS]
+        slot = self.residual_slot.index_select(0, sealed).long()
+        is_open = (slot >= 0).nonzero().squeeze(1)
+        if is_open.numel():
+            res = self.residual[layer].index_select(2, slot.index_select(0, is_open))  # [2, KVH, m, BS, D]
+            for j, (p, scale, zero) in enumerate((int4.quantize_keys(res[0]), int4.quantize_values(res[1]))):
+                qp = k_qp if j == 0 else v_qp
+                packed[j].index_copy_(1, is_open, p)
+                qp[0].index_copy_(1, is_open, scale)
+                qp[1].index_copy_(1, is_open, zero)
+        kvh, n = lay.num_kv_heads, sealed.numel()
+        packed_bytes = packed.reshape(2, kvh, n, lay.block_size * lay.head_dim // 2)
+        rows = torch.cat([packed_bytes, k_qp.view(torch.uint8), v_qp.view(torch.uint8)], dim=-1)
+        parts = [rows.reshape(2, kvh, n * lay.int4_block_row_bytes)]
+        if open_block is not None:
+            rslot = int(self.residual_slot[open_block])
+            assert rslot >= 0, "the last block of an int4 chunk that ends inside it is open"
+            parts.append(self.residual[layer, :, :, rslot, :tail].reshape(2, kvh, -1).contiguous().view(torch.uint8))
+        return torch.cat(parts, dim=2)
+
+    def _scatter_int4_tokens(self, layer: int, slots: torch.Tensor, payload: torch.Tensor) -> None:
+        """The inverse of `_gather_int4_tokens`: whole blocks written sealed, the tail into its block's
+        residual slot (the block opened first). Blocks arrive reserved for this request; whatever state
+        an earlier owner left (open, or a free not yet forgotten) is dropped so it cannot undo this."""
+        lay = self.layout
+        sealed, open_block, tail = self._chunk_blocks(slots)
+        self._take_received(sealed, open_block)
+        kvh, n, bs, d = lay.num_kv_heads, sealed.numel(), lay.block_size, lay.head_dim
+        nb, nv = n * lay.int4_block_row_bytes, bs * d // 2
+        rows = payload[:, :, :nb].reshape(2, kvh, n, lay.int4_block_row_bytes)
+        self.data[layer].index_copy_(2, sealed, rows[..., :nv].reshape(2, kvh, n, bs, d // 2))
+        self.k_qparams[layer].index_copy_(2, sealed, rows[..., nv : nv + 2 * d].contiguous().view(int4.SCALE_DTYPE))
+        self.v_qparams[layer].index_copy_(2, sealed, rows[..., nv + 2 * d :].contiguous().view(int4.SCALE_DTYPE))
+        if open_block is not None:
+            rslot = int(self.residual_slot[open_block])
+            tail_rows = payload[:, :, nb:].contiguous().view(lay.residual_dtype).view(2, kvh, tail, d)
+            self.residual[layer, :, :, rslot, :tail] = tail_rows
+
+    def _take_received(self, sealed: torch.Tensor, open_block: int | None) -> None:
+        """int4: make `sealed` blocks sealed and `open_block` open, for a received chunk (every layer's
+        chunk calls this; only the first changes anything)."""
+        for b in sealed.tolist() + ([open_block] if open_block is not None else []):
+            self._freed.pop(b, None)
+        self._release(sealed[self.residual_slot.index_select(0, sealed) >= 0])
+        if open_block is not None and int(self.residual_slot[open_block]) < 0:
+            self._open([open_block])
 
     # ---- swap: blocks between the device and the host tier, scales by the same index ------------------
     def swap(self, swap_in: list[tuple[int, int]], swap_out: list[tuple[int, int]]) -> None:

@@ -113,7 +113,7 @@ class KVConnector:
         self.lease_s = lease_s
         self.clock = clock
         self.num_layers = kv_cache.layout.num_layers
-        if transport.layout != kv_cache.layout:
+        if transport.layout.key() != kv_cache.layout.key():
             raise ValueError(
                 f"the KV transport's layout ({transport.layout.describe()}) is not the cache's "
                 f"({kv_cache.layout.describe()})"
@@ -162,6 +162,8 @@ class KVConnector:
         for req, n in steps:
             send = self._sends.get(req.req_id)
             end = req.num_computed_tokens + n
+            if self.kv_cache.is_int4 and end < req.num_prompt_tokens:
+                end -= end % self.block_size  # int4 moves whole (sealed) blocks, and the open one last
             if send is None or end <= send.next_token:
                 continue
             plan.append((send, send.next_token, self._slots(req, send.next_token, end)))
@@ -204,9 +206,12 @@ class KVConnector:
         self._by_transfer[spec.transfer_id] = req.req_id
 
     def _on_chunk(self, rec: _Receive, chunk: KVChunk) -> str | None:
-        n = chunk.kv.shape[2]
         if rec.done is not None:
             return "a KV chunk arrived after the first token"
+        try:  # (int4: dim 2 is bytes; the layout tells the tokens)
+            n = self.kv_cache.layout.chunk_num_tokens(chunk.kv.shape[2], rec.end - chunk.start)
+        except ValueError as e:
+            return str(e)
         key = (chunk.start, n)
         slots = rec.slots.get(key)
         if slots is None:

@@ -147,7 +147,8 @@ class _ZmqTransport(KVTransport):
         if out is None:
             return  # failed or cancelled while the step ran
         extra, frames = self._chunk_data(out, layer, start, kv)
-        header = ChunkHeader(transfer_id, layer, start, kv.shape[2], *extra, layout=self.layout.key())
+        num_tokens = self.layout.chunk_num_tokens(kv.shape[2], out.end - start)
+        header = ChunkHeader(transfer_id, layer, start, num_tokens, *extra, layout=self.layout.key())
         if self._signer is not None:
             header = self._signed(header, self._mac_data(kv))
         self._send(out, transfer_id, [_encode(header), *frames])
@@ -330,7 +331,7 @@ class _ZmqTransport(KVTransport):
 
     @abstractmethod
     def _chunk_tensor(self, rec: _In, layer: int, start: int, n: int, payload: list[zmq.Frame]) -> torch.Tensor:
-        """The K/V of an arrived chunk, `[2, kv_heads, n, head_dim]`, from its data frames or buffer."""
+        """The K/V of an arrived chunk, `KVLayout.chunk_shape(n)`, from its data frames or buffer."""
 
     def _close_receive_data(self, rec: _In) -> None:
         pass
@@ -392,8 +393,8 @@ class ShmTransport(_ZmqTransport):
 
     def _chunk_data(self, out: _Out, layer: int, start: int, kv: torch.Tensor) -> tuple[tuple, list[memoryview]]:
         assert out.buffer is not None
-        n = kv.shape[2]
-        out.buffer[layer, :, :, start - out.start : start - out.start + n].copy_(kv)
+        at = self.layout.chunk_len(start - out.start)  # (int4: chunks start at block boundaries)
+        out.buffer[layer, :, :, at : at + kv.shape[2]].copy_(kv)
         return (zlib.crc32(tensor_bytes(kv)) if self.verify else None,), []
 
     def _open_receive_data(self, rec: _In, transfer_id: str) -> None:
@@ -402,7 +403,8 @@ class ShmTransport(_ZmqTransport):
 
     def _chunk_tensor(self, rec: _In, layer: int, start: int, n: int, payload: list[zmq.Frame]) -> torch.Tensor:
         assert rec.buffer is not None
-        return rec.buffer[layer, :, :, start - rec.start : start - rec.start + n]
+        at, lay = self.layout.chunk_len(start - rec.start), self.layout
+        return rec.buffer[layer, :, :, at : at + lay.chunk_len(n)]
 
     # The MACs cover headers only: the data sits in a file only this user can open (mode 0600), and
     # hashing every chunk twice would cost more than the copy the shared buffer saves.

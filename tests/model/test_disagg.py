@@ -290,6 +290,72 @@ def test_quantized_kv_moves_in_its_stored_dtype(pair, tiny_weights, prompts, bac
     assert layout.bytes_per_token * 64 == LAYOUT.bytes_per_token * 20  # rows of 16 + 4 bytes, not 16 x 4
 
 
+# (int4, tiny model: blocks of 4 tokens) 12 tokens end exactly on a block boundary, 13 one past it.
+BOUNDARY_PROMPTS = [list(range(1, 13)), list(range(1, 14))]
+
+
+@pytest.mark.parametrize("backend,chunked", [
+    ("inproc", False), ("inproc", True), ("shm", False), ("tcp", True), ("torch.distributed", False),
+])
+def test_int4_kv_moves_as_stored(pair, tiny_weights, prompts, backend, chunked):
+    """int4 travels as the prefill side stores it (whole blocks sealed, the open last block's rows
+    unquantized), so the decode side holds the same cache state: disaggregated greedy output equals a
+    colocated int4 engine's, for prompts that end on a block boundary and inside a block, with prefix
+    hits on the decode side and (chunked) a prompt computed over several steps whose chunks end inside
+    blocks; the bytes are exactly sealed blocks plus the open block's rows."""
+    opts = {"kv_cache_dtype": "int4"}
+    p_opts = {**opts, **(dict(policy="chunked", max_num_batched_tokens=16, chunk_size=7) if chunked else {})}
+    p, d = pair(backend, p_opts, opts)
+    ps = prompts + BOUNDARY_PROMPTS
+    outs = generate_disaggregated(p, d, ps, GREEDY)
+    assert all(o.error is None for o in outs)
+    assert [o.outputs[0].token_ids for o in outs] == colocated(tiny_weights, ps, kv_cache_dtype="int4")
+    assert_no_leaks(p, d)
+    layout = _layout(opts)
+    records = {r.req_id: r for r in p.connector.take_records() if r.ok}  # type: ignore[union-attr]
+    assert len(records) == len(ps)
+    row = 2 * TINY.num_layers * TINY.num_kv_heads  # payload rows per chunk: K/V x kv heads, every layer
+    assert all(r.num_bytes == row * layout.chunk_len(r.num_tokens) for r in records.values())
+    whole, partial = records[f"p{len(prompts)}"], records[f"p{len(prompts) + 1}"]
+    assert (whole.num_tokens, whole.num_bytes) == (12, 3 * layout.block_bytes)  # sealed blocks only
+    assert partial.num_bytes == whole.num_bytes + row * TINY.head_dim * 4  # + the open token's float32 rows
+
+
+def test_int4_moves_fewer_bytes_than_int8_and_unquantized(pair, tiny_weights):
+    """The same prompts cost fewer bytes as int4 than int8, and int8 fewer than unquantized (prompts of
+    whole blocks: an open block's rows travel unquantized, 64 bytes a row at this head_dim in float32)."""
+    ps = [list(range(1, 13)), list(range(3, 35))]
+    sent = {}
+    for kv_dtype in ("int4", "int8", "auto"):
+        p, d = pair("inproc", {"kv_cache_dtype": kv_dtype}, {"kv_cache_dtype": kv_dtype})
+        generate_disaggregated(p, d, ps, GREEDY)
+        sent[kv_dtype] = sum(r.num_bytes for r in p.connector.take_records() if r.ok)  # type: ignore[union-attr]
+    assert 0 < sent["int4"] < sent["int8"] < sent["auto"], sent
+
+
+@pytest.mark.parametrize("other", ["int8", "auto"])
+@pytest.mark.parametrize("backend", ["inproc", "shm", "tcp"])
+def test_int4_refuses_to_pair_with_another_layout(pair, prompts, backend, other):
+    """An int4 prefill instance and an int8 or unquantized decode instance refuse each other with the
+    typed layout error: at open (inproc names both layouts; shm finds the receiver's buffer of another
+    size) or, over tcp, at the first chunk, before anything reaches the decode side's cache."""
+    p, d = pair(backend, {"kv_cache_dtype": "int4"}, {"kv_cache_dtype": other})
+    if backend == "tcp":
+        before = d.kv_cache.data.clone()
+        outs = generate_disaggregated(p, d, prompts[:2], GREEDY)
+        assert all("KV layout mismatch" in (o.error or "") for o in outs)
+        assert torch.equal(d.kv_cache.data.view(torch.uint8), before.view(torch.uint8))
+    else:
+        d.add_request(prompts[0], GREEDY, req_id="d0", kv_transfer=RemotePrefill("t0"))
+        d.step()
+        ((rid, skip),) = d.take_kv_reservations()
+        with pytest.raises(InvalidRequestError, match="KV layout mismatch.*int4"):
+            p.add_request(prompts[0], GREEDY, kv_transfer=RemoteDecode("t0", d.connector.address, skip))  # type: ignore[union-attr]
+        d.abort_request(rid)
+        d.step()
+    assert_no_leaks(p, d)
+
+
 def test_inproc_refuses_to_pair_different_layouts(pair, prompts):
     """A prefill instance with an int8 cache cannot send to a decode instance with a float32 one: the
     send is refused at open with a typed error, and nothing is held on either side."""

@@ -1,7 +1,7 @@
 """The int4 KV cache in the KIVI layout (kv/int4.py, kv/cache.py): packing and the quantizers' error
 bounds, the block states (open in the residual pool, sealed as packed 4-bit), the reference attention's
 reads, and the engine: one set of int4 answers whatever the chunking, prefix caching, preemption,
-batching or speculation; closeness to the unquantized cache; capacity; no disaggregation yet."""
+batching or speculation; closeness to the unquantized cache; capacity; the transfer payload."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ import pytest
 import torch
 
 from pdserve import SamplingParams
-from pdserve.config import CacheConfig, EngineConfig, KVTransferConfig
-from pdserve.errors import UnsupportedConfigError
 from pdserve.kv import int4
 from pdserve.kv.cache import KVCache, KVLayout, LayerCache
 from tests.support.teacher_forced import kl_and_top1, teacher_forced_logprobs
@@ -247,21 +245,55 @@ def test_teacher_forced_kl_against_the_unquantized_cache(make_tiny_llm, monkeypa
     assert 0 < kl < 1.5e-3 and kl_no_residual > 2 * kl, (kl, kl_no_residual)
 
 
-def test_disaggregation_refuses_int4():
-    with pytest.raises(UnsupportedConfigError, match="int4"):
-        EngineConfig(cache=CacheConfig(kv_cache_dtype="int4"), kv_transfer=KVTransferConfig(role="prefill", backend="inproc"))
-    with pytest.raises(NotImplementedError):
-        KVLayout(3, 2, 16, torch.uint8, 4).chunk_shape(4)
+def _as_stored(cache: KVCache, block: int, layer: int) -> list[torch.Tensor]:
+    """What a sealed block holds in one layer: packed K/V, K's and V's scales and zeros."""
+    return [cache.data[layer, :, :, block], cache.k_qparams[layer, :, :, block], cache.v_qparams[layer, :, :, block]]
 
 
-def test_an_engine_given_a_transport_refuses_int4(tiny_weights):
-    from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.transfer.inproc import InprocHub, InprocTransport
+def test_transfer_payload_rebuilds_the_cache_state():
+    """Disaggregation moves int4 as stored: a chunk of whole blocks (one sealed, one still open because
+    this step wrote it) and an open last block of 3 tokens lands as the same state on the other side:
+    the whole blocks sealed with the bytes the sender seals them with, the last one open with its
+    unquantized rows; stale state of the blocks' earlier owner (open, a free not yet forgotten) is gone."""
+    a, b = _cache(slots=4), _cache(slots=4)
+    _fill(a, [5, 2])
+    a.end_step(torch.tensor([[5, 2]]), torch.tensor([1]))
+    _fill(a, [2, 7], seed=1)  # seals 5; 2 and 7 open, written this step
+    assert [int(a.residual_slot[i]) >= 0 for i in (5, 2, 7)] == [False, True, True]
+    _fill(b, [1, 3], seed=2)  # the receiver's blocks, open under an earlier owner
+    b.note_freed(1, cached=True)  # ... one of them freed: its next forget would seal it from the residual
+    b.note_freed(4, cached=False)  # the block for the open tail, freed: its forget would drop the tail
+    bs = a.block_size
+    src = torch.cat([torch.arange(bs) + 5 * bs, torch.arange(bs) + 2 * bs, torch.arange(3) + 7 * bs])
+    dst = torch.cat([torch.arange(bs) + 1 * bs, torch.arange(bs) + 3 * bs, torch.arange(3) + 4 * bs])
+    for layer in range(TINY.num_layers):
+        payload = a.gather_tokens(layer, src)
+        assert payload.shape == a.layout.chunk_shape(11) == (2, TINY.num_kv_heads, 2 * 72 + 3 * 16 * 4)
+        b.scatter_tokens(layer, dst, payload)
+    _next_step(b)
+    assert [int(b.residual_slot[i]) >= 0 for i in (1, 3, 4)] == [False, False, True] and b.num_open_blocks == 1
+    a.end_step(torch.tensor([[5, 2, 7]]), torch.tensor([2]))
+    _next_step(a)  # the sender seals 2 as its next step would
+    ra, rb = int(a.residual_slot[7]), int(b.residual_slot[4])
+    for layer in range(TINY.num_layers):
+        for src_block, dst_block in [(5, 1), (2, 3)]:
+            for x, y in zip(_as_stored(a, src_block, layer), _as_stored(b, dst_block, layer)):
+                assert torch.equal(x, y)
+        assert torch.equal(a.residual[layer, :, :, ra, :3], b.residual[layer, :, :, rb, :3])
+        ka, va = a.layers[layer].gather_blocks(torch.tensor([5, 2, 7]), torch.float32)
+        kb, vb = b.layers[layer].gather_blocks(torch.tensor([1, 3, 4]), torch.float32)
+        assert torch.equal(ka.flatten(1, 2)[:, :11], kb.flatten(1, 2)[:, :11])
+        assert torch.equal(va.flatten(1, 2)[:, :11], vb.flatten(1, 2)[:, :11])
 
-    layout = KVLayout(TINY.num_layers, TINY.num_kv_heads, TINY.head_dim, torch.uint8, 4)
-    cfg = EngineConfig(dtype="float32", device="cpu", cache=CacheConfig(num_blocks=32, block_size=4, kv_cache_dtype="int4"))
-    with pytest.raises(UnsupportedConfigError, match="int4"):
-        LLMEngine(cfg, model_config=TINY, weights=tiny_weights, kv_transport=InprocTransport(layout, InprocHub()))
+
+def test_transfer_payload_is_refused_unless_it_fits():
+    a = _cache()
+    _fill(a, [2])
+    payload = a.gather_tokens(0, torch.arange(3) + 8)
+    with pytest.raises(ValueError, match="does not fit"):
+        a.scatter_tokens(0, torch.arange(4) + 8, payload)
+    with pytest.raises(ValueError, match="block boundary"):
+        a.scatter_tokens(0, torch.arange(3) + 9, payload)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

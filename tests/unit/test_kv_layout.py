@@ -54,3 +54,45 @@ def test_layout_key_tells_every_difference():
     ]
     assert len({base.key(), *(o.key() for o in others)}) == 1 + len(others)
     assert base.key() == KVLayout(2, 3, 8, torch.int8, 16).key()
+
+
+def test_int4_payload_is_sealed_blocks_then_the_open_block():
+    """int4 moves what it stores: per K/V and kv head, each whole block as its packed values plus the
+    block's scales or zeros (keys per channel, values per token, float16), then the open last block's
+    tokens unquantized. On SmolLM2 a sealed token costs 42 bytes per row against int8's 68 and bf16's 128;
+    an open one the residual's 128."""
+    int4 = KVLayout.for_model(SMOLLM2, 16, "int4", torch.bfloat16)
+    assert int4.chunk_dtype == torch.uint8
+    assert int4.int4_block_row_bytes == 16 * 64 // 2 + (64 + 16) * 2 == 672
+    assert int4.chunk_len(32) == 2 * 672 and int4.chunk_len(35) == 2 * 672 + 3 * 64 * 2
+    assert int4.chunk_shape(35) == (2, 3, 2 * 672 + 3 * 128)
+    assert 2 * 30 * 3 * int4.chunk_len(16) == int4.block_bytes  # a sealed block moves as stored
+    int8 = KVLayout.for_model(SMOLLM2, 16, "int8", torch.bfloat16)
+    bf16 = KVLayout.for_model(SMOLLM2, 16, "auto", torch.bfloat16)
+    assert int4.chunk_len(16) / 16 == 42 < int8.token_row_bytes == 68 < 2 * bf16.head_dim == 128
+
+
+def test_int4_chunk_token_counts_follow_from_the_payload_length():
+    """A transport counts a chunk's tokens from its length and how many tokens its transfer has left: a
+    chunk is whole blocks unless it ends the transfer (the lengths can coincide only for that one)."""
+    lay = KVLayout(2, 3, 64, torch.uint8, 32, torch.bfloat16)  # 2 sealed blocks = 0 blocks + 19 open tokens
+    assert lay.chunk_len(64) == lay.chunk_len(19)
+    assert lay.chunk_num_tokens(lay.chunk_len(64), 70) == 64
+    assert lay.chunk_num_tokens(lay.chunk_len(19), 19) == 19
+    assert lay.chunk_num_tokens(lay.chunk_len(32), 32) == 32
+    for n, left in [(64, 64), (64, 95), (96, 100), (100, 100), (7, 7)]:
+        assert lay.chunk_num_tokens(lay.chunk_len(n), left) == n
+    with pytest.raises(ValueError):
+        lay.chunk_num_tokens(lay.chunk_len(64) + 1, 100)  # no chunk is this long
+    with pytest.raises(ValueError):
+        lay.chunk_num_tokens(lay.chunk_len(64), 40)  # more whole blocks than the transfer has left
+    plain = KVLayout(2, 3, 64, torch.bfloat16, 32)
+    assert plain.chunk_len(19) == plain.chunk_num_tokens(19, 100) == 19
+
+
+def test_int4_key_names_the_residual_dtype():
+    """Open blocks travel unquantized: int4 caches of a bf16 and a float32 model must not pair."""
+    a = KVLayout(2, 3, 64, torch.uint8, 16, torch.bfloat16)
+    b = KVLayout(2, 3, 64, torch.uint8, 16, torch.float32)
+    assert a.key() == "int4+bfloat16/L2/H3/D64/B16" and b.key() != a.key()
+    assert KVLayout(2, 3, 64, torch.int8, 16, torch.float32).key() == KVLayout(2, 3, 64, torch.int8, 16).key()

@@ -1,0 +1,101 @@
+"""Where int8 KV's error comes from: keys or values, and whether an asymmetric int8 row of the same bytes
+would do better (docs/accuracy.md, "Where int8 KV's KL comes from").
+
+    .venv/bin/python benchmarks/kv_int8_split.py [--model qwen2.5-coder-0.5b-instruct] [--num-prompts 10]
+
+Every engine runs the torch reference attention in bf16. `kv-int8` stores an int8 cache (kv/quant.py:
+symmetric, one float32 scale per token and kv head). The others keep a bf16 cache and round K and/or
+V on their way into attention (`RoundedKV`, an attention backend of this script's own, so the prompt's
+fresh K/V and every later read see the rounded values, as with an int8 cache):
+
+- `k-int8` / `v-int8`: only K / only V through kv/quant.py's int8 (the same rows `kv-int8` stores: with
+  both, `kv-int8-rounded` is bit for bit `kv-int8`, which checks the emulation);
+- `kv-int8-asym`: asymmetric int8, q = round((x - min) / scale) in [0, 255], with a float16 scale and
+  a float16 zero: the same 4 bytes per row as the float32 scale, 255 steps over [min, max] instead of
+  [-max|x|, max|x|].
+
+The figures are teacher-forced as in benchmarks/accuracy.py (same conversations, same chunking):
+mean and p99 KL(bf16 || option), top-1 agreement, and the mean KL by context length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+import torch
+
+from pdserve.attention.torch_ref import TorchAttention
+from pdserve.bench.accuracy import base_config, build_engines, sample_conversations, score_teacher_forced
+from pdserve.kv.quant import dequantize, quantize
+
+Rounding = Callable[[torch.Tensor], torch.Tensor]
+
+
+def int8_symmetric(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] as an int8 cache stores and reads it (kv/quant.py), in x's dtype."""
+    return dequantize(*quantize(x, "int8"), x.dtype)
+
+
+def int8_asymmetric(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] through asymmetric int8 with a float16 scale and zero per row, in x's dtype."""
+    xf = x.float()
+    zero = xf.amin(-1, keepdim=True).half().float()
+    scale = ((xf.amax(-1, keepdim=True) - zero) / 255.0).half().float()
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = ((xf - zero) * inv).round_().clamp_(0, 255)
+    return (q * scale + zero).to(x.dtype)
+
+
+class RoundedKV(TorchAttention):
+    """The reference attention over K and/or V rounded by a quantizer before they are written or read."""
+
+    def __init__(self, k_fn: Rounding | None, v_fn: Rounding | None) -> None:
+        self.k_fn, self.v_fn = k_fn, v_fn
+
+    def forward(self, q, k, v, cache, meta, scale):  # type: ignore[no-untyped-def]
+        k = self.k_fn(k) if self.k_fn is not None else k
+        v = self.v_fn(v) if self.v_fn is not None else v
+        return super().forward(q, k, v, cache, meta, scale)
+
+
+ROUNDED: dict[str, tuple[Rounding | None, Rounding | None]] = {
+    "kv-int8-rounded": (int8_symmetric, int8_symmetric),
+    "k-int8": (int8_symmetric, None),
+    "v-int8": (None, int8_symmetric),
+    "kv-int8-asym": (int8_asymmetric, int8_asymmetric),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--num-prompts", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-total-len", type=int, default=1024)
+    ap.add_argument("--chunk", type=int, default=16)
+    ap.add_argument("--batch-size", type=int, default=16)
+    args = ap.parse_args(argv)
+    base = base_config(args.model, max_total_len=args.max_total_len, max_tokens=0,
+                       max_num_seqs=args.batch_size, seed=args.seed)
+    ref = {"dtype": "bfloat16", "attention_backend": "torch"}
+    options = {"bf16": ref, "kv-int8": {**ref, "kv_cache_dtype": "int8"}, **{n: ref for n in ROUNDED}}
+    engines = build_engines(base, options)
+    for name, (k_fn, v_fn) in ROUNDED.items():
+        engines[name].runner.attn = RoundedKV(k_fn, v_fn)
+    convs = sample_conversations(engines["bf16"].tokenizer, args.num_prompts, args.seed,  # type: ignore[arg-type]
+                                 max_total_len=args.max_total_len)
+    stats = score_teacher_forced(engines, "bf16", convs, args.chunk, args.batch_size)
+    print(f"{engines['bf16'].model_name}: {len(convs)} conversations, "
+          f"{sum(len(c.reply_ids) for c in convs)} reply positions, torch reference attention, bf16")
+    print(f"{'option':<16} {'mean KL':>9} {'p99 KL':>9} {'top-1':>7}  mean KL by context")
+    for name, s in stats.items():
+        t = s.summary()
+        by_ctx = "  ".join(f"{k}: {v:.2e}" for k, v in t["mean_kl_by_context"].items())  # type: ignore[union-attr]
+        print(f"{name:<16} {t['mean_kl']:>9.2e} {t['p99_kl']:>9.2e} {t['top1_agreement']:>7.2%}  {by_ctx}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
