@@ -5,7 +5,7 @@
 
 Workloads as `benchmarks/spec_decode.py`: the bench's `code-edit` dataset (`pdserve/bench/code_edit.py`)
 and ShareGPT from `pdserve.bench.datasets`. Requests run one at a time (batch 1), greedy; the same engine settings with
-`{"method": "draft", ...}` on and off. Prints TPOT per workload, the speedup, the acceptance rate and
+`{"method": "draft", ...}` (or `--method ngram`: prompt lookup) on and off, one engine at a time. Prints TPOT per workload, the speedup, the acceptance rate and
 the mean acceptance length (tokens per verification step).
 """
 
@@ -44,6 +44,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--draft-model", default="qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--method", choices=("draft", "ngram"), default="draft",
+                    help="ngram: prompt-lookup drafts instead of the draft model (same one-engine-at-a-time runs)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--num-prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=96)
@@ -53,12 +55,14 @@ def main() -> None:
     args = ap.parse_args()
 
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    spec = {"method": "draft", "model": args.draft_model, "num_speculative_tokens": args.num_speculative_tokens}
+    spec: dict[str, object] = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens}
+    if args.method == "draft":
+        spec["model"] = args.draft_model
     results: dict[str, dict[str, dict[str, float]]] = {}
     # One engine at a time (the 1.5B alone needs several GB): every workload without, then with the draft.
-    for mode in ("off", "draft"):
+    for mode in ("off", "spec"):
         llm = LLM(args.model, dtype=args.dtype, num_threads=args.num_threads, kv_cache_memory_gb=0.5,
-                  speculative_config=spec if mode == "draft" else None)
+                  speculative_config=spec if mode == "spec" else None)
         workloads = {
             "code-edit": ([[{"role": "user", "content": r.prompt}] for r in sample_code_edit(llm.tokenizer, args.num_prompts)], True),
             "sharegpt": ([r.prompt for r in sample_sharegpt(llm.tokenizer, args.num_prompts, seed=0, max_prompt_len=512)], False),  # type: ignore[arg-type]
@@ -70,7 +74,7 @@ def main() -> None:
         gc.collect()
     rows = []
     for name, r in results.items():
-        off, s = r["off"], r["draft"]
+        off, s = r["off"], r["spec"]
         rows.append({
             "workload": name,
             "tpot_off_ms": off["tpot_ms"],
@@ -79,8 +83,9 @@ def main() -> None:
             "acceptance_rate": s["accepted"] / s["draft_tokens"] if s["draft_tokens"] else 0.0,
             "mean_acceptance_length": 1 + s["accepted"] / s["drafts"] if s["drafts"] else 0.0,
         })
-    print(f"target {args.model}, draft {args.draft_model}, k = {args.num_speculative_tokens}")
-    print(f"{'workload':<10} {'TPOT off ms':>12} {'TPOT draft ms':>14} {'speedup':>8} {'accept':>7} {'mean len':>9}")
+    proposer = f"draft {args.draft_model}" if args.method == "draft" else "n-gram prompt lookup"
+    print(f"target {args.model}, {proposer}, k = {args.num_speculative_tokens}")
+    print(f"{'workload':<10} {'TPOT off ms':>12} {'TPOT spec ms':>14} {'speedup':>8} {'accept':>7} {'mean len':>9}")
     for row in rows:
         print(f"{row['workload']:<10} {row['tpot_off_ms']:>12.2f} {row['tpot_draft_ms']:>14.2f} {row['speedup']:>7.2f}x "
               f"{row['acceptance_rate']:>7.2f} {row['mean_acceptance_length']:>9.2f}")
