@@ -590,6 +590,70 @@ inline __m512 exp2_ps(__m512 x) {
   return _mm512_maskz_scalef_ps(keep, p, n);
 }
 
+// Shared by the prefill flash kernels (bf16/int8/fp8 and int4). The work items: (sequence, kv head,
+// tile of 16 query rows), each costed by the keys it reads.
+struct PrefillTile { int64_t p, h, r0; };
+constexpr int64_t kQueryTile = 16;
+inline void prefill_tiles(int64_t P, int64_t KVH, const int64_t* q_len, const int64_t* ctx,
+                          std::vector<PrefillTile>& items, std::vector<int64_t>& costs) {
+  for (int64_t p = 0; p < P; ++p)
+    for (int64_t h = 0; h < KVH; ++h)
+      for (int64_t r0 = 0; r0 < q_len[p]; r0 += kQueryTile) {
+        items.push_back({p, h, r0});
+        costs.push_back(ctx[p] - q_len[p] + std::min(r0 + kQueryTile, q_len[p]) + 64);  // keys the tile reads
+      }
+}
+
+// Lane indices, and the permutes that interleave two keys' V rows by dim (vlo: dims 0..15, vhi: 16..31)
+// and pairs of keys' probabilities per row (pil) for the bf16 pair dot products of p.v.
+struct FlashPermutes { __m512i lane, vlo, vhi, pil; };
+inline FlashPermutes flash_permutes() {
+  alignas(64) int16_t il_lo[32], il_hi[32], p_il[32];
+  for (int i = 0; i < 16; ++i) {
+    il_lo[2 * i] = i, il_lo[2 * i + 1] = 32 + i;       // (a[i], b[i]): dims 0..15 of two keys
+    il_hi[2 * i] = 16 + i, il_hi[2 * i + 1] = 48 + i;  // dims 16..31
+    p_il[2 * i] = i, p_il[2 * i + 1] = 16 + i;         // (p[key 2t][row i], p[key 2t+1][row i])
+  }
+  return {_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_load_si512(il_lo),
+          _mm512_load_si512(il_hi), _mm512_load_si512(p_il)};
+}
+
+// A tile's start: its rows' query dim pairs gathered into qt [G][D/2][lanes = rows] (q0: the tile's first
+// row at its kv head's first query head, rows q_row apart), accumulators zeroed, softmax state reset.
+template <int D, int G>
+inline void start_tile(const at::BFloat16* q0, int64_t q_row, __mmask16 row_mask, __m512i lane, int32_t (*qt)[D / 2][16],
+                       float (*acc)[D][16], __m512* m, __m512* l) {
+  const __m512i q_rows = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(q_row / 2)));
+  for (int g = 0; g < G; ++g) {
+    const int32_t* qg = reinterpret_cast<const int32_t*>(q0 + g * D);
+    for (int pr = 0; pr < D / 2; ++pr)
+      _mm512_store_si512(qt[g][pr], _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), row_mask,
+                                                                 _mm512_add_epi32(q_rows, _mm512_set1_epi32(pr)), qg, 4));
+    for (int d = 0; d < D; ++d) _mm512_store_ps(acc[g][d], _mm512_setzero_ps());
+    m[g] = _mm512_set1_ps(-1e30f), l[g] = _mm512_setzero_ps();
+  }
+}
+
+// A tile's end: each row's output acc / l as bf16 (o0: the tile's first row at its kv head's first query
+// head, rows out_row apart).
+template <int D, int G>
+inline void finish_tile(float (*acc)[D][16], const __m512* l, int64_t rows, __m512i lane, at::BFloat16* o0,
+                        int64_t out_row) {
+  const __m512i dim_rows = _mm512_mullo_epi32(lane, _mm512_set1_epi32(16));  // acc[g][16c + lane][i]
+  for (int g = 0; g < G; ++g) {
+    alignas(64) float inv[16];
+    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l[g]));
+    for (int64_t i = 0; i < rows; ++i) {
+      at::BFloat16* o = o0 + i * out_row + g * D;
+      const __m512 vinv = _mm512_set1_ps(inv[i]);
+      for (int c = 0; c < D / 16; ++c) {
+        const __m512 v = _mm512_i32gather_ps(_mm512_add_epi32(dim_rows, _mm512_set1_epi32(static_cast<int32_t>(16 * c * 16 + i))), &acc[g][0][0], 4);
+        store_bf16x16(o + 16 * c, _mm512_mul_ps(v, vinv));
+      }
+    }
+  }
+}
+
 // Causal prefill attention over the paged cache (bf16, head_dim 64 or 128, block size a multiple of 16): the
 // queries of sequence p sit at positions [ctx[p] - q_len[p], ctx[p]) and attend keys up to their own
 // position, read through the block table (this step's K/V are already in the cache). Flash-style, per
@@ -608,29 +672,17 @@ void prefill_avx512(const at::BFloat16* q, const typename R::T* k_cache, const t
                     const int64_t* q_start, const int64_t* q_len, const int64_t* ctx, int64_t P, at::BFloat16* out,
                     int64_t H, int64_t KVH, int64_t NB, int64_t BS, float scale, int64_t q_row, int64_t out_row) {
   using T = typename R::T;
-  constexpr int64_t QT = 16;
+  constexpr int64_t QT = kQueryTile;
   constexpr int64_t chunk_bytes = 16 * D * static_cast<int64_t>(sizeof(T));
-  struct Item { int64_t p, h, r0; };
-  std::vector<Item> items;
+  std::vector<PrefillTile> items;
   std::vector<int64_t> costs;
-  for (int64_t p = 0; p < P; ++p)
-    for (int64_t h = 0; h < KVH; ++h)
-      for (int64_t r0 = 0; r0 < q_len[p]; r0 += QT) {
-        items.push_back({p, h, r0});
-        costs.push_back(ctx[p] - q_len[p] + std::min(r0 + QT, q_len[p]) + 64);  // keys the tile reads
-      }
+  prefill_tiles(P, KVH, q_len, ctx, items, costs);
   const __m512 scale2 = _mm512_set1_ps(scale * 1.44269504088896341f);  // scores in log2 units: exp2 below
   const __m512 neg_big = _mm512_set1_ps(-1e30f);  // finite: -ffast-math assumes no infinities
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  alignas(64) int16_t il_lo[32], il_hi[32], p_il[32];
-  for (int i = 0; i < 16; ++i) {
-    il_lo[2 * i] = i, il_lo[2 * i + 1] = 32 + i;       // (a[i], b[i]): dims 0..15 of two keys
-    il_hi[2 * i] = 16 + i, il_hi[2 * i + 1] = 48 + i;  // dims 16..31
-    p_il[2 * i] = i, p_il[2 * i + 1] = 16 + i;         // (p[key 2t][row i], p[key 2t+1][row i])
-  }
-  const __m512i vlo = _mm512_load_si512(il_lo), vhi = _mm512_load_si512(il_hi), pil = _mm512_load_si512(p_il);
+  const FlashPermutes perm = flash_permutes();  // named, not a structured binding: lambdas capture them from C++20 only
+  const __m512i lane = perm.lane, vlo = perm.vlo, vhi = perm.vhi, pil = perm.pil;
   for_each_costed(costs, [&](int64_t it) {
-    const Item& item = items[it];
+    const PrefillTile& item = items[it];
     const int64_t p = item.p, h = item.h, r0 = item.r0;
     const int64_t rows = std::min(QT, q_len[p] - r0), first_pos = ctx[p] - q_len[p] + r0;
     const int64_t* blocks = tables + p * max_blocks;
@@ -648,15 +700,7 @@ void prefill_avx512(const at::BFloat16* q, const typename R::T* k_cache, const t
     // Positions of the tile's rows; lanes past the last row repeat it (computed, never stored).
     const __m512i pos = _mm512_min_epi32(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(first_pos)), lane),
                                          _mm512_set1_epi32(static_cast<int32_t>(first_pos + rows - 1)));
-    const __m512i q_rows = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(q_row / 2)));
-    for (int g = 0; g < G; ++g) {
-      const int32_t* q0 = reinterpret_cast<const int32_t*>(q + (q_start[p] + r0) * q_row + (h * G + g) * D);
-      for (int pr = 0; pr < D / 2; ++pr)
-        _mm512_store_si512(qt[g][pr], _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), row_mask,
-                                                                   _mm512_add_epi32(q_rows, _mm512_set1_epi32(pr)), q0, 4));
-      for (int d = 0; d < D; ++d) _mm512_store_ps(acc[g][d], _mm512_setzero_ps());
-      m[g] = neg_big, l[g] = _mm512_setzero_ps();
-    }
+    start_tile<D, G>(q + (q_start[p] + r0) * q_row + h * G * D, q_row, row_mask, lane, qt, acc, m, l);
     const int64_t num_keys = first_pos + rows;  // the last row attends this many keys
     for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
       const int64_t row0 = blocks[j0 / BS] * BS + j0 % BS, off = row0 * D;  // the chunk's first row
@@ -727,19 +771,7 @@ void prefill_avx512(const at::BFloat16* q, const typename R::T* k_cache, const t
         }
       }
     }
-    const __m512i dim_rows = _mm512_mullo_epi32(lane, _mm512_set1_epi32(QT));  // acc[g][16c + lane][i]
-    for (int g = 0; g < G; ++g) {
-      alignas(64) float inv[QT];
-      _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l[g]));
-      for (int64_t i = 0; i < rows; ++i) {
-        at::BFloat16* o = out + (q_start[p] + r0 + i) * out_row + (h * G + g) * D;
-        const __m512 vinv = _mm512_set1_ps(inv[i]);
-        for (int c = 0; c < D / 16; ++c) {
-          const __m512 v = _mm512_i32gather_ps(_mm512_add_epi32(dim_rows, _mm512_set1_epi32(static_cast<int32_t>(16 * c * QT + i))), &acc[g][0][0], 4);
-          store_bf16x16(o + 16 * c, _mm512_mul_ps(v, vinv));
-        }
-      }
-    }
+    finish_tile<D, G>(acc, l, rows, lane, out + (q_start[p] + r0) * out_row + h * G * D, out_row);
   });
 }
 
@@ -1149,29 +1181,17 @@ void prefill_int4_avx512(const at::BFloat16* q, const uint8_t* k_cache, const ui
                          int64_t num_sealed, const int64_t* tables, int64_t max_blocks, const int64_t* q_start,
                          const int64_t* q_len, const int64_t* ctx, int64_t P, at::BFloat16* out, int64_t H, int64_t KVH,
                          int64_t NB, int64_t BS, int64_t R, float scale, int64_t q_row, int64_t out_row) {
-  constexpr int64_t QT = 16, D2 = D / 2;
-  struct Item { int64_t p, h, r0; };
-  std::vector<Item> items;
+  constexpr int64_t QT = kQueryTile, D2 = D / 2;
+  std::vector<PrefillTile> items;
   std::vector<int64_t> costs;
-  for (int64_t p = 0; p < P; ++p)
-    for (int64_t h = 0; h < KVH; ++h)
-      for (int64_t r0 = 0; r0 < q_len[p]; r0 += QT) {
-        items.push_back({p, h, r0});
-        costs.push_back(ctx[p] - q_len[p] + std::min(r0 + QT, q_len[p]) + 64);
-      }
+  prefill_tiles(P, KVH, q_len, ctx, items, costs);
   const __m512 scale2 = _mm512_set1_ps(scale * 1.44269504088896341f);
   const __m512 neg_big = _mm512_set1_ps(-1e30f);
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const FlashPermutes perm = flash_permutes();  // named, not a structured binding: lambdas capture them from C++20 only
+  const __m512i lane = perm.lane, vlo = perm.vlo, vhi = perm.vhi, pil = perm.pil;
   const __m512i even = _mm512_mullo_epi32(lane, _mm512_set1_epi32(2)), odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  alignas(64) int16_t il_lo[32], il_hi[32], p_il[32];
-  for (int i = 0; i < 16; ++i) {
-    il_lo[2 * i] = i, il_lo[2 * i + 1] = 32 + i;
-    il_hi[2 * i] = 16 + i, il_hi[2 * i + 1] = 48 + i;
-    p_il[2 * i] = i, p_il[2 * i + 1] = 16 + i;
-  }
-  const __m512i vlo = _mm512_load_si512(il_lo), vhi = _mm512_load_si512(il_hi), pil = _mm512_load_si512(p_il);
   for_each_costed(costs, [&](int64_t it) {
-    const Item& item = items[it];
+    const PrefillTile& item = items[it];
     const int64_t p = item.p, h = item.h, r0 = item.r0;
     const int64_t rows = std::min(QT, q_len[p] - r0), first_pos = ctx[p] - q_len[p] + r0, last_pos = first_pos + rows - 1;
     const int64_t* blocks = tables + p * max_blocks;
@@ -1183,15 +1203,7 @@ void prefill_int4_avx512(const at::BFloat16* q, const uint8_t* k_cache, const ui
     const __mmask16 row_mask = static_cast<__mmask16>((1u << rows) - 1u);
     const __m512i pos = _mm512_min_epi32(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(first_pos)), lane),
                                          _mm512_set1_epi32(static_cast<int32_t>(last_pos)));
-    const __m512i q_rows = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(q_row / 2)));
-    for (int g = 0; g < G; ++g) {
-      const int32_t* q0 = reinterpret_cast<const int32_t*>(q + (q_start[p] + r0) * q_row + (h * G + g) * D);
-      for (int pr = 0; pr < D / 2; ++pr)
-        _mm512_store_si512(qt[g][pr], _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), row_mask,
-                                                                   _mm512_add_epi32(q_rows, _mm512_set1_epi32(pr)), q0, 4));
-      for (int d = 0; d < D; ++d) _mm512_store_ps(acc[g][d], _mm512_setzero_ps());
-      m[g] = neg_big, l[g] = _mm512_setzero_ps();
-    }
+    start_tile<D, G>(q + (q_start[p] + r0) * q_row + h * G * D, q_row, row_mask, lane, qt, acc, m, l);
     // One pass over the chunk in kconv / vi: row lanes attend key j0 + t iff lo <= pos, j0 + t <= pos, pos < hi.
     const auto attend = [&](int64_t j0, int64_t nk, int64_t lo, int64_t hi) {
       __mmask16 see[16];
@@ -1290,19 +1302,7 @@ void prefill_int4_avx512(const at::BFloat16* q, const uint8_t* k_cache, const ui
         attend(j0, nk, 0, block_end);
       }
     }
-    const __m512i dim_rows = _mm512_mullo_epi32(lane, _mm512_set1_epi32(QT));
-    for (int g = 0; g < G; ++g) {
-      alignas(64) float inv[QT];
-      _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l[g]));
-      for (int64_t i = 0; i < rows; ++i) {
-        at::BFloat16* o = out + (q_start[p] + r0 + i) * out_row + (h * G + g) * D;
-        const __m512 vinv = _mm512_set1_ps(inv[i]);
-        for (int c = 0; c < D / 16; ++c) {
-          const __m512 v = _mm512_i32gather_ps(_mm512_add_epi32(dim_rows, _mm512_set1_epi32(static_cast<int32_t>(16 * c * QT + i))), &acc[g][0][0], 4);
-          store_bf16x16(o + 16 * c, _mm512_mul_ps(v, vinv));
-        }
-      }
-    }
+    finish_tile<D, G>(acc, l, rows, lane, out + (q_start[p] + r0) * out_row + h * G * D, out_row);
   });
 }
 #endif
