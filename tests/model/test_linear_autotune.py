@@ -15,6 +15,7 @@ from pdserve.model.linear import (
     available_kernels,
     pack_cpu_linears,
 )
+from tests.support.fake_kernels import FakeClock, timed_kernels
 
 if not torch.backends.mkldnn.is_available():
     pytest.skip("needs oneDNN (mkldnn) for a second kernel", allow_module_level=True)
@@ -26,33 +27,9 @@ def rand(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def fake_kernels(clock: FakeClock, cost, served: list | None = None):
     """Real kernels whose calls advance the fake clock by `cost(name, rows)` and log who served them."""
-
-    def wrap(name, cls):
-        def pack(w):
-            inner = cls(w)
-
-            def call(x):
-                clock.now += cost(name, x.shape[0])
-                if served is not None:
-                    served.append((name, x.shape[0]))
-                return inner(x)
-
-            call.kernel = name
-            return call
-
-        return pack
-
-    return {"onednn": wrap("onednn", OneDnnLinear), "torch": wrap("torch", TorchLinear)}
+    return timed_kernels({"onednn": OneDnnLinear, "torch": TorchLinear}, clock, cost, served)
 
 
 def small_rows_to_torch(name: str, rows: int) -> float:

@@ -22,6 +22,7 @@ from pdserve.model.linear import (
     quantize_int8,
     tune_key,
 )
+from tests.support.fake_kernels import FakeClock, timed_kernels
 
 KERNELS = available_kernels("int8")
 
@@ -103,33 +104,9 @@ def test_pdserve_int8_rows_do_not_depend_on_the_batch():
 # --- the autotune with int8 candidates -----------------------------------------------------------
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def fake_int8_kernels(clock: FakeClock, cost, served: list):
     """The real int8 kernels, their calls advancing the fake clock by `cost(name, rows)`, logged."""
-
-    def wrap(name, cls):
-        def pack(w):
-            inner = cls(w)
-
-            def call(x):
-                clock.now += cost(name, x.shape[0])
-                served.append((name, x.shape[0]))
-                return inner(x)
-
-            call.kernel = name
-            call.weight_tensors = inner.weight_tensors
-            return call
-
-        return pack
-
-    return {name: wrap(name, cls) for name, cls in KERNELS.items()}
+    return timed_kernels(KERNELS, clock, cost, served)
 
 
 def int8_weights() -> dict[str, list[Int8Weight]]:

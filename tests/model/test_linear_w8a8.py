@@ -21,6 +21,7 @@ from pdserve.model.linear import (
     quantize_rows,
     tune_key,
 )
+from tests.support.fake_kernels import FakeClock, timed_kernels
 
 KERNELS = available_kernels("w8a8")
 A8 = [name for name in KERNELS if name.endswith("-a8")]
@@ -95,31 +96,8 @@ def test_w8a8_is_within_both_quantization_bounds_of_float32(name):
 # --- the autotune with w8a8 candidates ------------------------------------------------------------
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def fake_kernels(clock: FakeClock, cost, served: list):  # type: ignore[no-untyped-def]
-    def wrap(name, cls):  # type: ignore[no-untyped-def]
-        def pack(w):  # type: ignore[no-untyped-def]
-            inner = cls(w)
-
-            def call(x):  # type: ignore[no-untyped-def]
-                clock.now += cost(name, x.shape[0])
-                served.append((name, x.shape[0]))
-                return inner(x)
-
-            call.kernel = name
-            call.weight_tensors = inner.weight_tensors
-            return call
-
-        return pack
-
-    return {name: wrap(name, cls) for name, cls in KERNELS.items()}
+    return timed_kernels(KERNELS, clock, cost, served)
 
 
 def w8a8_weights():  # type: ignore[no-untyped-def]
