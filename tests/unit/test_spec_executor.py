@@ -12,11 +12,11 @@ import pytest
 from pdserve.config import SchedulerConfig, SpeculativeConfig
 from pdserve.engine.loop import EngineLoop
 from pdserve.kv.block_manager import BlockManager, HostBlockPool
-from pdserve.request import SamplingParams
 from pdserve.scheduler.policies import make_policy
 from pdserve.scheduler.scheduler import Scheduler
 from pdserve.sim.fake_executor import FakeExecutor, expected_output
 from pdserve.spec import DraftRequest, SpeculativeExecutor
+from tests.support.loop import generate
 
 SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
 
@@ -32,18 +32,6 @@ def make_loop(
     executor = SpeculativeExecutor(fake, spec) if spec is not None else None
     loop = EngineLoop(sched, executor or fake, vocab_size=8, max_model_len=256)
     return loop, fake, executor
-
-
-def generate(loop: EngineLoop, prompts: Sequence[list[int]], max_tokens: int) -> list[list[int]]:
-    ids = [loop.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in prompts]
-    done = {}
-    for _ in range(5000):
-        if not loop.has_unfinished_requests():
-            break
-        for o in loop.step():
-            if o.finished:
-                done[o.request_id] = o.outputs[0].token_ids
-    return [done[i] for i in ids]
 
 
 PROMPTS = [[1, 2, 3, 1, 2], [2, 2, 1, 3, 1, 2, 2, 1], [3, 1] * 6, [1, 2, 3, 1, 2] + [3] * 9]

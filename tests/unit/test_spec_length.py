@@ -12,13 +12,13 @@ import pytest
 from pdserve.config import SchedulerConfig, SpeculativeConfig
 from pdserve.engine.loop import EngineLoop
 from pdserve.kv.block_manager import BlockManager
-from pdserve.request import SamplingParams
 from pdserve.scheduler.policies import make_policy
 from pdserve.scheduler.scheduler import Scheduler
 from pdserve.scheduler.step_model import StepTimeModel
 from pdserve.sim.fake_executor import FakeExecutor, expected_output
 from pdserve.spec import SpeculativeExecutor
 from pdserve.spec.length import StepCost, choose_lengths, expected_tokens
+from tests.support.loop import generate
 
 
 def goodput(lengths: list[int], acceptances: list[float], cost: StepCost) -> float:
@@ -118,15 +118,7 @@ def run(
     asked = Asked(NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max))
     executor = SpeculativeExecutor(fake, spec, asked, step_model=step_model, itl_target=itl, **kw)
     loop = EngineLoop(sched, executor, vocab_size=8, max_model_len=256)
-    ids = [loop.add_request(p, SamplingParams(max_tokens=24, ignore_eos=True)) for p in PROMPTS]
-    done = {}
-    for _ in range(5000):
-        if not loop.has_unfinished_requests():
-            break
-        for o in loop.step():
-            if o.finished:
-                done[o.request_id] = o.outputs[0].token_ids
-    return [done[i] for i in ids], asked, executor
+    return generate(loop, PROMPTS, 24), asked, executor
 
 
 SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
