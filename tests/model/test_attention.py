@@ -149,18 +149,28 @@ def test_cpu_paged_decode_long_contexts(cpu_paged, block_size, shape):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("kernel", ["avx512", "amx"])
+@pytest.mark.parametrize("bs", [16, 32])
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
-def test_cpu_paged_prefill_kernel(cpu_paged, shape):
-    """The C++ prefill kernel: fresh prompts and chunks with cached context (prefix hits, chunked
-    prefill), lengths off the 16-row tiles, queries attending causally through scattered blocks;
-    against naive attention, all sequences in one call, other rows of `out` untouched."""
+def test_cpu_paged_prefill_kernel(cpu_paged, shape, bs, kernel):
+    """The C++ prefill kernels (AVX-512, and AMX tiles where the CPU has them): fresh prompts and chunks
+    with cached context (prefix hits, chunked prefill), lengths off the 16-row tiles and 32-key steps,
+    queries attending causally through scattered blocks whose unused rows hold NaN; against naive
+    attention, all sequences in one call, other rows of `out` untouched."""
     g = torch.Generator().manual_seed(2)
-    (H, KVH, D), bs, nblocks = shape, 16, 128
-    k_cache = torch.randn(KVH, nblocks, bs, D, generator=g).bfloat16()
-    v_cache = torch.randn(KVH, nblocks, bs, D, generator=g).bfloat16()
+    (H, KVH, D), nblocks = shape, 2048 // bs
+    if kernel == "amx" and not cpu_paged._kernel.prefill_amx_fast_path(True, H, KVH, D, bs):
+        pytest.skip("no AMX on this CPU (or in this build)")
+    run = cpu_paged._kernel.paged_prefill_amx if kernel == "amx" else cpu_paged._kernel.paged_prefill
+    k_cache = torch.full((KVH, nblocks, bs, D), float("nan")).bfloat16()
+    v_cache = torch.full((KVH, nblocks, bs, D), float("nan")).bfloat16()
     perm = torch.randperm(nblocks, generator=g).tolist()
     shapes = [(0, 40), (37, 20), (100, 1), (0, 1), (16, 33), (5, 300)]  # (cached tokens, new tokens)
     tables = [[perm.pop() for _ in range(-(-(c + n) // bs))] for c, n in shapes]
+    for (c, n), t in zip(shapes, tables):  # real rows where a sequence has tokens; NaN past them
+        for j in range(c + n):
+            k_cache[:, t[j // bs], j % bs] = torch.randn(KVH, D, generator=g).bfloat16()
+            v_cache[:, t[j // bs], j % bs] = torch.randn(KVH, D, generator=g).bfloat16()
     max_nb = max(len(t) for t in tables)
     table = torch.tensor([t + [0] * (max_nb - len(t)) for t in tables])
     pad = 3  # rows before the prefills (decodes in a real step)
@@ -171,7 +181,7 @@ def test_cpu_paged_prefill_kernel(cpu_paged, shape):
     starts = torch.tensor([pad + sum(n for _, n in shapes[:i]) for i in range(len(shapes))])
     lens = torch.tensor([n for _, n in shapes])
     ctx = torch.tensor([c + n for c, n in shapes])
-    if not cpu_paged._kernel.paged_prefill(q, k_cache, v_cache, table, starts, lens, ctx, D**-0.5, out):
+    if not run(q, k_cache, v_cache, table, starts, lens, ctx, D**-0.5, out):
         pytest.skip("no AVX-512 BF16 prefill kernel in this build")
     assert torch.all(out[:pad] == 7.0)
     for i, ((c, n), t) in enumerate(zip(shapes, tables)):
@@ -247,3 +257,18 @@ def test_cpu_paged_softmax_flushes_tiny_weights(cpu_paged, kv_dtype):
     )
     if ran:
         torch.testing.assert_close(outp.float(), naive(qp, kf, vf, D**-0.5), atol=2e-2, rtol=2e-2)
+
+
+def test_cpu_paged_amx_prefill_declines_what_it_does_not_run(cpu_paged):
+    """The AMX prefill reads only a bf16 cache: an int8 one (or float32 queries) is declined, nothing written,
+    so the caller's next kernel runs."""
+    k = cpu_paged._kernel
+    assert not k.prefill_amx_fast_path(False, 9, 3, 64, 16)
+    assert not k.prefill_amx_fast_path(True, 18, 2, 64, 16)  # group 9: no fast shape
+    kc = torch.zeros(3, 4, 16, 64, dtype=torch.int8)
+    q = torch.randn(16, 9, 64).bfloat16()
+    out = torch.full_like(q, 7.0)
+    args = (torch.tensor([[0]]), torch.tensor([0]), torch.tensor([16]), torch.tensor([16]), 0.125, out)
+    assert not k.paged_prefill_amx(q, kc, kc, *args)
+    assert torch.all(out == 7.0)
+    assert not k.paged_prefill_amx(q.float(), torch.zeros(3, 4, 16, 64), torch.zeros(3, 4, 16, 64), *args[:-1], out.float())

@@ -35,19 +35,23 @@ def tables(decode: dict[str, list[float]], prefill: dict[str, list[float]], nois
 
 # torch's decode wins one batch but loses overall; SDPA wins short prompts, the C++ kernel long ones.
 DECODE = {"cpp": [2e-4, 1e-3, 4e-3], "torch": [1e-4, 2e-3, 2e-2]}
-PREFILL = {"cpp": [1e-3, 2e-3, 8e-3, 3e-2, 1e-1], "sdpa": [5e-4, 1e-3, 9e-3, 6e-2, 2e-1]}
+# AMX (where the CPU has it) wins the mid lengths, the AVX-512 kernel the longest.
+PREFILL = {"cpp": [1e-3, 2e-3, 8e-3, 3e-2, 1e-1], "amx": [2e-3, 3e-3, 7e-3, 2e-2, 2e-1],
+           "sdpa": [5e-4, 1e-3, 9e-3, 6e-2, 2e-1]}
 
 
 def test_plan_from_injected_timings():
     plan = AttentionPlan.from_tables(*tables(DECODE, PREFILL))
     assert plan.decode == "cpp"  # least summed over the batches, not the winner at batch 1
-    assert plan.prefill == ("sdpa", "sdpa", "cpp", "cpp", "cpp")
-    assert [plan.prefill_kernel(n) for n in (1, 16, 17, 64, 65, 300, 5000)] == ["sdpa", "sdpa", "sdpa", "sdpa", "cpp", "cpp", "cpp"]
+    assert plan.prefill == ("sdpa", "sdpa", "amx", "amx", "cpp")
+    assert [plan.prefill_kernel(n) for n in (1, 16, 17, 64, 65, 300, 1024, 1025, 5000)] == [
+        "sdpa", "sdpa", "sdpa", "sdpa", "amx", "amx", "amx", "cpp", "cpp"]
     assert AttentionPlan.from_tables(*tables({"cpp": [1.0, 1.0, 1.0], "torch": [0.5, 0.5, 1.5]}, PREFILL)).decode == "torch"
-    tie = AttentionPlan.from_tables(*tables({"cpp": [1.0] * 3, "torch": [1.0] * 3}, {"cpp": [1.0] * 5, "sdpa": [1.0] * 5}))
+    tie = AttentionPlan.from_tables(*tables({"cpp": [1.0] * 3, "torch": [1.0] * 3},
+                                            {"cpp": [1.0] * 5, "amx": [1.0] * 5, "sdpa": [1.0] * 5}))
     assert tie.decode == "cpp" and tie.prefill == ("cpp",) * 5  # ties go to the C++ kernels
     inf = float("inf")  # a C++ prefill that declines every length (no fast path): SDPA everywhere
-    assert AttentionPlan.from_tables(*tables(DECODE, {"cpp": [inf] * 5, "sdpa": [1.0] * 5})).prefill == ("sdpa",) * 5
+    assert AttentionPlan.from_tables(*tables(DECODE, {"cpp": [inf] * 5, "amx": [inf] * 5, "sdpa": [1.0] * 5})).prefill == ("sdpa",) * 5
 
 
 def test_plan_sets_decode_padding_and_rejects_unknown_kernels(kernel_ok):
@@ -115,7 +119,13 @@ def test_every_choice_matches_the_reference(kernel_ok, kv_dtype, decode, prefill
     attn = CpuPagedAttention(AttentionPlan(decode=decode, prefill=(prefill,)))
     if not attn._kernel.prefill_fast_path(True, 9, 3, 64, 16):
         pytest.skip("no AVX-512 BF16 kernels in this build")
-    forbidden = ({"paged_decode"} if decode == "torch" else set()) | ({"paged_prefill"} if prefill == "sdpa" else set())
+    amx = attn._kernel.prefill_amx_fast_path(True, 9, 3, 64, 16)
+    if prefill == "amx" and kv_dtype == "bfloat16" and not amx:
+        pytest.skip("no AMX on this CPU")
+    # The plan's prefill kernel is the one that runs; AMX declines an int8 cache, which the AVX-512 one takes.
+    skip_prefill = {"sdpa": {"paged_prefill", "paged_prefill_amx"}, "cpp": {"paged_prefill_amx"},
+                    "amx": {"paged_prefill"} if kv_dtype == "bfloat16" else set()}[prefill]
+    forbidden = ({"paged_decode"} if decode == "torch" else set()) | skip_prefill
     attn._kernel = Forbid(attn._kernel, forbidden)
     out, refs = mixed_step(attn, kv_dtype, (9, 3, 64), 16, torch.bfloat16)
     for s, n, ref in refs:
@@ -130,5 +140,11 @@ def test_real_measurement_gives_a_complete_table(kernel_ok):
     d, p = cp.measure_attention(attn, like_cache(), 9, torch.bfloat16, decode_batches=(1, 4), context=64,
                                 prefill_lens=(16, 48), repeats=1)
     assert d.buckets == (1, 4) and p.buckets == (16, 48)
+    amx = attn._kernel.prefill_amx_fast_path(True, 9, 3, 64, 16)
     for t in (d, p):
-        assert all(0 < v < float("inf") for ts in t.seconds.values() for row in ts.values() for v in row)
+        for ts in t.seconds.values():
+            for name, row in ts.items():
+                if name == "amx" and not amx:  # declined where the CPU has no AMX: never chosen
+                    assert all(v == float("inf") for v in row)
+                else:
+                    assert all(0 < v < float("inf") for v in row), (name, row)

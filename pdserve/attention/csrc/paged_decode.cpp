@@ -15,12 +15,17 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <tuple>
 #include <type_traits>
 #include <vector>
 
 #if defined(__SSE__)
 #include <xmmintrin.h>
+#endif
+#if defined(__linux__)
+#include <sys/syscall.h>  // arch_prctl: the AMX tile state (prefill_amx)
+#include <unistd.h>
 #endif
 
 namespace {
@@ -775,6 +780,166 @@ void prefill_avx512(const at::BFloat16* q, const typename R::T* k_cache, const t
   });
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define PDSERVE_HAVE_AMX 1
+
+// Linux hands a process the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); oneDNN asks the same when it runs AMX. Asked once per process; false where the CPU
+// or the kernel has no AMX, and then the AMX prefill declines every call.
+bool amx_ready() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtileData) == 0;
+  }();
+  return ok;
+}
+
+// Palette 1, tiles 0..7 all 16 rows of 64 bytes: every tile below is 16 x 32 bf16 (A, B) or 16 x 16 fp32 (C).
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+
+// Causal prefill attention over a bf16 paged cache with AMX BF16 tiles: the inputs, outputs and causal
+// positions of paged_prefill / prefill_avx512, the same work items (sequence, kv head, tile of 16 query
+// rows) and the same lane-wise online softmax (rows in the 16 lanes), 32 keys at a time. The two products
+// run on the tile unit, each oriented so that the softmax needs no transpose:
+// - scores transposed, S^T = K Q^T: K's 16 rows straight from the cache are the A tile, the tile's
+//   queries gathered once into dim pairs x rows (start_tile's qt) the B tile; a C row is one key's scores
+//   for the 16 rows, as prefill_avx512 holds them.
+// - output transposed, O^T += V^T P^T: the probabilities of key pairs x rows (prefill_avx512's pp) are the
+//   B tile, and the accumulators [head][dim][row] are C tiles as they lie in memory (16 dims x 16 rows);
+//   the A tile is V transposed (dims x key pairs), which the cache does not hold: every (sequence, kv
+//   head)'s V is packed so once per call, before the tiles run, and shared by all its query tiles and heads.
+// The accumulators are rescaled only when some row's running max moved. Products are bf16 x bf16 summed
+// in fp32 by the tile unit (its order, and bf16 denormal inputs read as zero), p rounded to bf16 as in
+// prefill_avx512: within bf16 rounding of it, not bitwise equal.
+template <int D, int G>
+void prefill_amx(const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache, const int64_t* tables,
+                 int64_t max_blocks, const int64_t* q_start, const int64_t* q_len, const int64_t* ctx, int64_t P,
+                 at::BFloat16* out, int64_t H, int64_t KVH, int64_t NB, int64_t BS, float scale, int64_t q_row,
+                 int64_t out_row) {
+  constexpr int64_t QT = kQueryTile, KC = 32;  // query rows per tile, keys per step
+  // V^T per (sequence, kv head): per 32-key chunk, D rows of 16 key pairs (int32: two bf16), keys past the
+  // context zero. vt_at[p * KVH + h] is its first chunk.
+  std::vector<int64_t> vt_at(P * KVH + 1, 0), chunk_costs;
+  std::vector<std::array<int64_t, 3>> chunks;  // (p, h, first key)
+  for (int64_t p = 0; p < P; ++p)
+    for (int64_t h = 0; h < KVH; ++h) {
+      const int64_t n = (ctx[p] + KC - 1) / KC;
+      vt_at[p * KVH + h + 1] = vt_at[p * KVH + h] + n * D * 16;
+      for (int64_t j = 0; j < n; ++j) chunks.push_back({p, h, j * KC}), chunk_costs.push_back(1);
+    }
+  std::unique_ptr<int32_t[]> vt(new int32_t[std::max<int64_t>(1, vt_at.back())]);
+  const FlashPermutes perm = flash_permutes();
+  const __m512i lane = perm.lane, vlo = perm.vlo, vhi = perm.vhi, pil = perm.pil;
+  for_each_costed(chunk_costs, [&](int64_t c) {
+    const auto [p, h, j0] = chunks[c];
+    const int64_t nk = std::min<int64_t>(KC, ctx[p] - j0);
+    alignas(64) int32_t vi[16][D];  // (v[2t][d], v[2t+1][d]) per dim d, as prefill_avx512's vi
+    for (int64_t t = 0; t < 16; ++t) {
+      const auto row = [&](int64_t key) -> const at::BFloat16* {
+        return v_cache + ((h * NB + tables[p * max_blocks + key / BS]) * BS + key % BS) * D;
+      };
+      for (int c2 = 0; c2 < D / 32; ++c2) {
+        const __m512i a = 2 * t < nk ? _mm512_loadu_si512(row(j0 + 2 * t) + 32 * c2) : _mm512_setzero_si512();
+        const __m512i b = 2 * t + 1 < nk ? _mm512_loadu_si512(row(j0 + 2 * t + 1) + 32 * c2) : _mm512_setzero_si512();
+        _mm512_store_si512(vi[t] + 32 * c2, _mm512_permutex2var_epi16(a, vlo, b));
+        _mm512_store_si512(vi[t] + 32 * c2 + 16, _mm512_permutex2var_epi16(a, vhi, b));
+      }
+    }
+    int32_t* dst = vt.get() + vt_at[p * KVH + h] + (j0 / KC) * D * 16;
+    const __m512i col = _mm512_mullo_epi32(lane, _mm512_set1_epi32(D));
+    for (int d = 0; d < D; ++d) _mm512_storeu_si512(dst + d * 16, _mm512_i32gather_epi32(col, &vi[0][d], 4));
+  });
+
+  std::vector<PrefillTile> items;
+  std::vector<int64_t> costs;
+  prefill_tiles(P, KVH, q_len, ctx, items, costs);
+  const __m512 scale2 = _mm512_set1_ps(scale * 1.44269504088896341f);  // log2 units: exp2 below
+  const __m512 neg_big = _mm512_set1_ps(-1e30f);
+  const TileConfig config;
+  for_each_costed(costs, [&](int64_t it) {
+    const PrefillTile& item = items[it];
+    const int64_t p = item.p, h = item.h, r0 = item.r0;
+    const int64_t rows = std::min(QT, q_len[p] - r0), first_pos = ctx[p] - q_len[p] + r0;
+    const int64_t* blocks = tables + p * max_blocks;
+    const at::BFloat16* kh = k_cache + h * NB * BS * D;
+    const int32_t* vth = vt.get() + vt_at[p * KVH + h];
+    alignas(64) int32_t qt[G][D / 2][QT];
+    alignas(64) float acc[G][D][QT];
+    alignas(64) float sbuf[KC][16];  // C rows: one key's scores for the 16 rows
+    alignas(64) int32_t pbuf[KC / 2][16];
+    __m512 m[G], l[G];
+    const __mmask16 row_mask = static_cast<__mmask16>((1u << rows) - 1u);
+    const __m512i pos = _mm512_min_epi32(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(first_pos)), lane),
+                                         _mm512_set1_epi32(static_cast<int32_t>(first_pos + rows - 1)));
+    start_tile<D, G>(q + (q_start[p] + r0) * q_row + h * G * D, q_row, row_mask, lane, qt, acc, m, l);
+    _tile_loadconfig(&config);
+    const int64_t num_keys = first_pos + rows;
+    const auto krow = [&](int64_t key) { return kh + (blocks[key / BS] * BS + key % BS) * D; };
+    for (int64_t j0 = 0; j0 < num_keys; j0 += KC) {
+      const bool two = j0 + 16 < num_keys;  // the second 16 keys hold some key a row attends
+      const at::BFloat16* k0 = krow(j0);
+      const at::BFloat16* k1 = two ? krow(j0 + 16) : k0;
+      if (j0 + KC < num_keys) {
+        prefetch_rows(krow(j0 + KC), 16 * D * 2);
+        if (j0 + KC + 16 < num_keys) prefetch_rows(krow(j0 + KC + 16), 16 * D * 2);
+      }
+      const int32_t* vtc = vth + (j0 / KC) * D * 16;
+      const bool causal = j0 + KC - 1 > first_pos;
+      for (int g = 0; g < G; ++g) {
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int c = 0; c < D / 32; ++c) {
+          _tile_loadd(2, &qt[g][16 * c][0], 64);
+          _tile_loadd(4, k0 + 32 * c, D * 2);
+          _tile_dpbf16ps(0, 4, 2);
+          if (two) {
+            _tile_loadd(5, k1 + 32 * c, D * 2);
+            _tile_dpbf16ps(1, 5, 2);
+          }
+        }
+        _tile_stored(0, &sbuf[0][0], 64);
+        _tile_stored(1, &sbuf[16][0], 64);
+        __m512 s[KC];
+        __m512 mx = neg_big;
+        for (int t = 0; t < KC; ++t) {
+          s[t] = _mm512_mul_ps(_mm512_load_ps(sbuf[t]), scale2);
+          if (causal)
+            s[t] = _mm512_mask_mov_ps(neg_big, _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(j0 + t))), s[t]);
+          mx = _mm512_max_ps(mx, s[t]);
+        }
+        const __m512 m_new = _mm512_max_ps(m[g], mx);
+        const bool moved = _mm512_cmp_ps_mask(m_new, m[g], _CMP_NEQ_OQ) != 0;
+        const __m512 alpha = exp2_ps(_mm512_sub_ps(m[g], m_new));
+        m[g] = m_new;
+        __m512 sum = _mm512_setzero_ps();
+        for (int t = 0; t < KC; ++t) {
+          s[t] = exp2_ps(_mm512_sub_ps(s[t], m_new));
+          sum = _mm512_add_ps(sum, s[t]);
+        }
+        l[g] = _mm512_fmadd_ps(l[g], alpha, sum);
+        for (int tp = 0; tp < KC / 2; ++tp)
+          _mm512_store_si512(pbuf[tp], _mm512_permutexvar_epi16(pil, (__m512i)_mm512_cvtne2ps_pbh(s[2 * tp + 1], s[2 * tp])));
+        if (moved)
+          for (int d = 0; d < D; ++d) _mm512_store_ps(acc[g][d], _mm512_mul_ps(_mm512_load_ps(acc[g][d]), alpha));
+        _tile_loadd(7, &pbuf[0][0], 64);
+        for (int dg = 0; dg < D / 16; ++dg) {
+          _tile_loadd(0, &acc[g][16 * dg][0], 64);
+          _tile_loadd(6, vtc + 16 * dg * 16, 64);
+          _tile_dpbf16ps(0, 6, 7);
+          _tile_stored(0, &acc[g][16 * dg][0], 64);
+        }
+      }
+    }
+    _tile_release();
+    finish_tile<D, G>(acc, l, rows, lane, out + (q_start[p] + r0) * out_row + h * G * D, out_row);
+  });
+}
+#endif  // AMX
+
 // int4 (KIVI) decode with AVX-512 BF16, reading the packed nibbles in place (head_dim D 64 or 128, G query
 // heads per kv head, blocks of a multiple of 16 tokens). Sealed blocks:
 // - keys, one scale s_c and zero z_c per channel over the block: q.k = sum_c (q_c s_c) n_c + sum_c q_c z_c.
@@ -1410,6 +1575,44 @@ bool paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
 #endif
 }
 
+// Whether paged_prefill_amx runs for these shapes: paged_prefill's fast shapes over a bf16 cache, on a build
+// and CPU with AMX BF16 and a kernel that grants the tile state.
+bool prefill_amx_fast_path(bool bf16, int64_t H, int64_t KVH, int64_t D, int64_t BS) {
+#ifdef PDSERVE_HAVE_AMX
+  return prefill_fast_path(bf16, H, KVH, D, BS) && amx_ready();
+#else
+  return false;
+#endif
+}
+
+// paged_prefill on the AMX tile unit (prefill_amx), for a bf16 cache only; false (nothing done) where it has
+// no path, as paged_prefill.
+bool paged_prefill_amx(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
+                       torch::Tensor q_start, torch::Tensor q_len, torch::Tensor ctx, double scale, torch::Tensor out) {
+#ifdef PDSERVE_HAVE_AMX
+  const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(0), BS = k_cache.size(2);
+  const auto rows_ok = [&](const torch::Tensor& t) { return t.stride(2) == 1 && t.stride(1) == D && t.stride(0) % 2 == 0; };
+  const bool bf16 = q.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kBFloat16 &&
+                    v_cache.scalar_type() == torch::kBFloat16;
+  if (!prefill_amx_fast_path(bf16, H, KVH, D, BS) || out.scalar_type() != torch::kBFloat16 || !rows_ok(q) ||
+      !rows_ok(out) || !k_cache.is_contiguous() || !v_cache.is_contiguous() || v_cache.sizes() != k_cache.sizes())
+    return false;
+  tables = tables.to(torch::kInt64).contiguous();
+  q_start = q_start.to(torch::kInt64).contiguous();
+  q_len = q_len.to(torch::kInt64).contiguous();
+  ctx = ctx.to(torch::kInt64).contiguous();
+  auto args = std::make_tuple(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
+                              tables.data_ptr<int64_t>(), tables.size(1), q_start.data_ptr<int64_t>(),
+                              q_len.data_ptr<int64_t>(), ctx.data_ptr<int64_t>(), tables.size(0),
+                              out.data_ptr<at::BFloat16>(), H, KVH, k_cache.size(1), BS, static_cast<float>(scale),
+                              q.stride(0), out.stride(0));
+  with_shape(H / KVH, D, [&](auto d, auto g) { std::apply(prefill_amx<decltype(d)::value, decltype(g)::value>, args); });
+  return true;
+#else
+  return false;
+#endif
+}
+
 // Writes each token's new K and V rows into the caches: k, v [T, KVH, D] (rows may be strided: views
 // into the fused QKV projection), caches [KVH, NB, BS, D] contiguous, slots [T] int64 (block * BS +
 // offset). One copy per (token, head) row; the same as two index_copy_ calls, without their dispatch
@@ -1614,4 +1817,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_int4_fast_path", &decode_int4_fast_path,
         "whether paged_decode_int4 has an AVX-512 BF16 path for (bf16, H, KVH, D, BS)");
   m.def("prefill_fast_path", &prefill_fast_path, "whether paged_prefill has a fast path for (bf16, H, KVH, D, BS)");
+  m.def("paged_prefill_amx", &paged_prefill_amx, "paged causal prefill attention on AMX BF16 tiles (CPU, bf16 cache)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"), py::arg("q_start"), py::arg("q_len"),
+        py::arg("ctx"), py::arg("scale"), py::arg("out"));
+  m.def("prefill_amx_fast_path", &prefill_amx_fast_path,
+        "whether paged_prefill_amx runs for (bf16, H, KVH, D, BS) on this build and CPU");
 }
