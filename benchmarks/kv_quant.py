@@ -12,10 +12,16 @@ times decode steps through `ModelRunner.execute`: `batch` sequences of `context`
 in blocks of its own, one new token per sequence per step. What a step costs is weight streaming
 (independent of the kv dtype) plus reading the batch's KV, which int8/fp8 halves.
 
+Beside each TPOT it times decode attention alone on the same cache: the backend's `decode` for every
+layer, the step's queries at random (a 30-layer cache of GBs, blocks distinct per layer and sequence: read
+cold from DRAM, as in a step). Both are the median over `--steps`; `--repeats N` times every point N times back to back and prints
+the best with the spread (max / min - 1); the dtypes run one after the other in one process.
+
 A (batch, context) point whose cache would exceed `--max-kv-gb` in some dtype is skipped in that dtype
 (bf16 at 64 x 8k needs ~12 GB for SmolLM2, int8 ~6 GB: that is the capacity gain). Prints ms per step
-(TPOT) per dtype and the speedup over the first dtype; writes JSON with `--json`. On a busy machine the
-figures mean nothing: run on a quiet one.
+(TPOT) and attention ms per step per dtype with the speedup over the first dtype, the capacity (blocks per
+GiB of `--kv-cache-memory-gb`, before int4's residual pool) and the host (`measure_machine`); writes
+JSON with `--json`. On a busy machine the figures mean little: run on a quiet one, repeat, read the spread.
 """
 
 from __future__ import annotations
@@ -30,7 +36,9 @@ from dataclasses import dataclass
 import torch
 
 from pdserve import LLM
+from pdserve.attention.base import DecodeGroup
 from pdserve.batch import Batch, BatchRequest
+from pdserve.bench.machine import cpu_flags, measure_machine
 from pdserve.engine.llm_engine import make_attention
 from pdserve.kv.cache import KVCache, KVLayout
 from pdserve.request import SamplingParams
@@ -92,6 +100,29 @@ def time_point(runner: ModelRunner, batch: int, context: int, steps: int, block_
     return statistics.median(times)
 
 
+def time_attention(runner: ModelRunner, cache: KVCache, batch: int, context: int, steps: int, block_size: int,
+                   num_heads: int, head_dim: int, dtype: torch.dtype) -> float:
+    """Median seconds of one step's decode attention: the backend's decode over every layer of the cache
+    for `batch` sequences of `context + 1` tokens (the tables of `decode_steps`), random bf16 queries."""
+    step = decode_steps(batch, context, 1, block_size)[0].batch
+    per_seq = len(step.requests[0].block_ids)
+    table = torch.tensor([r.block_ids for r in step.requests], dtype=torch.int64)
+    lens = torch.full((batch,), context + 1, dtype=torch.int64)
+    mask = (torch.arange(per_seq * block_size) < lens[:, None]).view(batch, 1, 1, -1)
+    group = DecodeGroup(0, batch, table, lens, mask)
+    q = torch.randn(batch, num_heads, head_dim, generator=torch.Generator().manual_seed(1)).to(dtype)
+    attn, scale = runner.attn, head_dim**-0.5
+    for layer in cache.layers:  # warm-up (page tables, thread pool)
+        attn.decode(q, layer, group, scale)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        for layer in cache.layers:
+            attn.decode(q, layer, group, scale)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a .gguf or HF directory (default: the bundled SmolLM2)")
@@ -103,6 +134,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--max-kv-gb", type=float, default=8.0, help="skip points whose cache would be larger")
+    ap.add_argument("--repeats", type=int, default=1, help="times each point is measured (best, spread)")
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
@@ -116,20 +148,28 @@ def main() -> None:
     eng = llm.engine
     cfg = eng.model_config
     print(f"model {eng.model_name}, {eng.dtype}, {torch.get_num_threads()} threads, block size {args.block_size}")
+    limits = measure_machine(dtypes=("bfloat16",))
+    host = (f"{limits.cpu}, {limits.num_threads} threads, {' '.join(f for f, on in cpu_flags().items() if on)}, "
+            f"DRAM {limits.memory_bandwidth / 1e9:.1f} GB/s, bf16 matmul {limits.matmul_flops['bfloat16'] / 1e9:.0f} GFLOP/s")
+    print(f"host: {host}")
 
-    rows: dict[tuple[int, int], dict[str, float | None]] = {(b, c): {} for b in batches for c in contexts}
+    Times = dict[str, list[float] | None]
+    tpot: dict[tuple[int, int], Times] = {(b, c): {} for b in batches for c in contexts}
+    attn_s: dict[tuple[int, int], Times] = {(b, c): {} for b in batches for c in contexts}
     backends: dict[str, str] = {}
+    capacity: dict[str, int] = {}
     for kv_dtype in kv_dtypes:
         layout = KVLayout.for_model(cfg, args.block_size, kv_dtype, eng.dtype)
+        capacity[kv_dtype] = 2**30 // layout.block_bytes
         fits = [(b, c) for b in batches for c in contexts
                 if b * -(-(c + args.steps + 1) // args.block_size) * layout.block_bytes <= args.max_kv_gb * 2**30]
-        for key in rows.keys() - set(fits):
-            rows[key][kv_dtype] = None
+        for key in tpot.keys() - set(fits):
+            tpot[key][kv_dtype] = attn_s[key][kv_dtype] = None
         if not fits:
             continue
         num_blocks = max(b * -(-(c + args.steps + 1) // args.block_size) for b, c in fits)
         # int4: the blocks each point's steps write stay open (a few per sequence, never freed here)
-        residual = 2 * sum(b for b, _ in fits) + 8 if layout.is_int4 else 0
+        residual = 2 * sum(b for b, _ in fits) * args.repeats + 8 if layout.is_int4 else 0
         cache = KVCache(layout, num_blocks, eng.device, num_residual_slots=residual)
         fill_synthetic(cache)
         attn = make_attention(args.attention_backend, eng.dtype, eng.device, layout.kv_dtype)
@@ -139,27 +179,45 @@ def main() -> None:
         paths = getattr(attn, "kernel_paths", None)  # cpu-paged names the kernels it runs for this cache
         kernels = f" (decode {paths(cache.layers[0], cfg.num_heads)[0]})" if paths else ""
         print(f"{kv_dtype}: {layout.describe()}; {num_blocks} blocks, {cache.nbytes / 2**30:.2f} GiB; "
-              f"attention {attn.name}{kernels}")
+              f"{capacity[kv_dtype]} blocks per GiB; attention {attn.name}{kernels}", flush=True)
         for b, c in fits:
-            rows[(b, c)][kv_dtype] = time_point(runner, b, c, args.steps, args.block_size)
+            tpot[(b, c)][kv_dtype], attn_s[(b, c)][kv_dtype] = [], []
+            for _ in range(args.repeats):
+                tpot[(b, c)][kv_dtype].append(time_point(runner, b, c, args.steps, args.block_size))  # type: ignore[union-attr]
+                attn_s[(b, c)][kv_dtype].append(time_attention(  # type: ignore[union-attr]
+                    runner, cache, b, c, args.steps, args.block_size, cfg.num_heads, cfg.head_dim, eng.dtype))
+            print(f"  {kv_dtype} batch {b} context {c}: TPOT {[round(x * 1e3, 2) for x in tpot[(b, c)][kv_dtype]]} ms, "  # type: ignore[union-attr]
+                  f"attention {[round(x * 1e3, 2) for x in attn_s[(b, c)][kv_dtype]]} ms", flush=True)  # type: ignore[union-attr]
         del runner, cache
 
     first = kv_dtypes[0]
-    head = ["batch", "context"] + [f"{d} ms" for d in kv_dtypes] + [f"{d} x{first}" for d in kv_dtypes[1:]]
-    print(" | ".join(head))
-    out = []
-    for (b, c), t in rows.items():
-        cells = [str(b), str(c)] + [f"{t[d] * 1e3:.2f}" if t.get(d) else "skip" for d in kv_dtypes]
-        base = t.get(first)
-        cells += [f"{base / t[d]:.2f}" if base and t.get(d) else "-" for d in kv_dtypes[1:]]
-        print(" | ".join(cells))
-        out.append({"batch": b, "context": c, "tpot_ms": {d: (t[d] * 1e3 if t.get(d) else None) for d in kv_dtypes}})
+    spread = lambda t: f" ±{(max(t) / min(t) - 1) * 100:.0f}%" if len(t) > 1 else ""  # noqa: E731
+
+    def table(title: str, times: dict[tuple[int, int], Times]) -> list[dict]:
+        print(f"{title} (ms per step, best of {args.repeats}{', spread max/min - 1' if args.repeats > 1 else ''})")
+        head = ["batch", "context"] + [f"{d} ms" for d in kv_dtypes] + [f"{d} x{first}" for d in kv_dtypes[1:]]
+        print(" | ".join(head))
+        out = []
+        for (b, c), t in times.items():
+            cells = [str(b), str(c)] + [f"{min(t[d]) * 1e3:.2f}{spread(t[d])}" if t.get(d) else "skip" for d in kv_dtypes]
+            base = t.get(first)
+            cells += [f"{min(base) / min(t[d]):.2f}" if base and t.get(d) else "-" for d in kv_dtypes[1:]]
+            print(" | ".join(cells))
+            out.append({"batch": b, "context": c,
+                        "ms": {d: ([x * 1e3 for x in t[d]] if t.get(d) else None) for d in kv_dtypes}})  # type: ignore[union-attr]
+        return out
+
+    rows = table("TPOT, whole model", tpot)
+    attention_rows = table("decode attention, all layers", attn_s)
+    print("capacity (blocks per GiB): " + ", ".join(
+        f"{d} {n} ({n / capacity[first]:.2f}x)" for d, n in capacity.items()))
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"model": eng.model_name, "dtype": str(eng.dtype), "threads": torch.get_num_threads(),
-                       "block_size": args.block_size, "attention": backends, "steps": args.steps,
-                       "rows": out}, f, indent=1)
+                       "host": host, "block_size": args.block_size, "attention": backends, "steps": args.steps,
+                       "repeats": args.repeats, "blocks_per_gib": capacity, "tpot": rows,
+                       "decode_attention": attention_rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -407,13 +407,58 @@ inline void int8_scores16(const int8_t* k, const int16_t* q16, const float* unit
   }
 }
 
+// q.k for 16 bf16 K rows (k: the first, rows D apart) and the G query heads q (bf16, heads D apart), 32
+// dim pairs per vdpbf16ps and the 16 rows' sums reduced together: done(g, dots) takes head g's 16 scores.
+// Shared by every decode kernel's K pass (bf16 blocks, quantized rows converted to bf16 in L1, int4 open
+// and sealed blocks).
+template <int D, int G, typename Done>
+__attribute__((always_inline)) inline void bf16_scores16(const void* q, const void* k, const Done& done) {
+  const uint16_t* qb = static_cast<const uint16_t*>(q);
+  const uint16_t* kb = static_cast<const uint16_t*>(k);
+  for (int g = 0; g < G; ++g) {
+    __m512bh qv[D / 32];
+    for (int c = 0; c < D / 32; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qb + g * D + 32 * c);
+    __m512 acc[16];
+    for (int r = 0; r < 16; ++r) {
+      acc[r] = _mm512_setzero_ps();
+      for (int c = 0; c < D / 32; ++c)
+        acc[r] = _mm512_dpbf16_ps(acc[r], qv[c], (__m512bh)_mm512_loadu_si512(kb + r * D + 32 * c));
+    }
+    done(g, hsum16(acc));
+  }
+}
+
+// p.v over one block's n rows for the G heads of an item, one 32-dim slice of V at a time (one cache
+// line of a bf16 row), the slice's accumulators (2G vectors: 16 at G = 8) in registers and kept in
+// accm [G][D] in L1 between blocks: all G heads' accumulators for a whole row (G x D / 16 vectors, 48 for
+// the 1.5B's 6 x 128) would not fit in the 32 vector registers. row(t, c, v0, v1) gives row t's 32
+// values of slice c as two float vectors (in whatever order accm keeps), p + g * stride + t head g's
+// weight of row t. Shared by every decode kernel's V pass (decode_avx512, decode_int4_avx512).
+template <int D, int G, typename Row>
+__attribute__((always_inline)) inline void pv_block(float (*accm)[D], const float* p, int64_t stride, int64_t n,
+                                                    const Row& row) {
+  for (int c = 0; c < D / 32; ++c) {
+    __m512 acc[G][2];
+    for (int g = 0; g < G; ++g)
+      acc[g][0] = _mm512_load_ps(accm[g] + 32 * c), acc[g][1] = _mm512_load_ps(accm[g] + 32 * c + 16);
+    for (int64_t t = 0; t < n; ++t) {
+      __m512 v0, v1;
+      row(t, c, v0, v1);
+      for (int g = 0; g < G; ++g) {
+        const __m512 w = _mm512_set1_ps(p[g * stride + t]);
+        acc[g][0] = _mm512_fmadd_ps(w, v0, acc[g][0]);
+        acc[g][1] = _mm512_fmadd_ps(w, v1, acc[g][1]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      _mm512_store_ps(accm[g] + 32 * c, acc[g][0]), _mm512_store_ps(accm[g] + 32 * c + 16, acc[g][1]);
+  }
+}
+
 // bf16 K/V, head_dim D (64 or 128), G query heads per kv head: AVX-512 BF16 dot products for q.k (32
 // pairs per instruction, no conversion of K), 16 tokens' scores reduced together, and blocks prefetched
 // kPrefetch ahead (blocks are scattered: 30 layers' caches of 10 x 1,200 tokens in random blocks read at
-// 21 GB/s with one block ahead, 26-28 with 4-12). p.v goes one 32-dim slice of V (one cache line per
-// row) at a time with the G heads' accumulators for that slice in registers (2G vectors: 16 at G = 8),
-// kept in L1 between blocks: all G heads' accumulators for a whole row (G x D / 16 vectors, 48 for the
-// 1.5B's 6 x 128) would not fit in the 32 vector registers.
+// 21 GB/s with one block ahead, 26-28 with 4-12). p.v: pv_block, one 32-dim slice of V at a time.
 // A quantized cache (R = Int8Rows, Fp8Rows) takes the same path: 16 K rows are converted to bf16 once
 // into an L1 buffer that the G heads then read as they read a bf16 block (int8 with VNNI: widened to
 // int16 for integer dot products instead, see Int8Rows), the 16 scores are multiplied by their rows' K
@@ -496,17 +541,9 @@ void decode_avx512(const at::BFloat16* q, const typename R::T* k_cache, const ty
         } else {
           k = kb + t * D;
         }
-        for (int g = 0; g < G; ++g) {
-          __m512bh qv[NC];
-          for (int c = 0; c < NC; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qh + g * D + 32 * c);
-          __m512 acc[16];
-          for (int r = 0; r < 16; ++r) {
-            acc[r] = _mm512_setzero_ps();
-            for (int c = 0; c < NC; ++c)
-              acc[r] = _mm512_dpbf16_ps(acc[r], qv[c], (__m512bh)_mm512_loadu_si512(k + r * D + 32 * c));
-          }
-          _mm512_storeu_ps(scores.data() + g * stride + t0 + t, _mm512_mul_ps(hsum16(acc), row_scale));
-        }
+        bf16_scores16<D, G>(qh, k, [&](int g, __m512 dots) {
+          _mm512_storeu_ps(scores.data() + g * stride + t0 + t, _mm512_mul_ps(dots, row_scale));
+        });
       }
       for (; t < n; ++t) {  // blocks smaller than 16 tokens
         const float row_scale = R::kQuantized ? scale * ksb[t] : scale;
@@ -553,22 +590,8 @@ void decode_avx512(const at::BFloat16* q, const typename R::T* k_cache, const ty
       if (j + kPrefetch < nblocks) prefetch_block(nblocks + j + kPrefetch);
       if (j + kTouch < nblocks) _mm_prefetch(reinterpret_cast<const char*>(vh + blocks[j + kTouch] * BS * D), _MM_HINT_T2);
       const int64_t t0 = j * BS, n = std::min(BS, L - t0);
-      for (int c = 0; c < NC; ++c) {
-        __m512 acc[G][2];
-        for (int g = 0; g < G; ++g)
-          acc[g][0] = _mm512_load_ps(accm[g] + 32 * c), acc[g][1] = _mm512_load_ps(accm[g] + 32 * c + 16);
-        for (int64_t t = 0; t < n; ++t) {
-          __m512 v0, v1;
-          R::f32x32(vb + t * D + 32 * c, v0, v1);
-          for (int g = 0; g < G; ++g) {
-            const __m512 p = _mm512_set1_ps(scores[g * stride + t0 + t]);
-            acc[g][0] = _mm512_fmadd_ps(p, v0, acc[g][0]);
-            acc[g][1] = _mm512_fmadd_ps(p, v1, acc[g][1]);
-          }
-        }
-        for (int g = 0; g < G; ++g)
-          _mm512_store_ps(accm[g] + 32 * c, acc[g][0]), _mm512_store_ps(accm[g] + 32 * c + 16, acc[g][1]);
-      }
+      pv_block<D, G>(accm, scores.data() + t0, stride, n,
+                     [&](int64_t t, int c, __m512& v0, __m512& v1) { R::f32x32(vb + t * D + 32 * c, v0, v1); });
     }
     for (int g = 0; g < G; ++g) {
       at::BFloat16* o = out + (b * H + h * G + g) * D;
@@ -1011,6 +1034,30 @@ void decode_int4_avx512(const at::BFloat16* q, const uint8_t* k_cache, const uin
     alignas(64) uint16_t qbf[G][D];      // q_c s_c as bf16, in the keys' order
     alignas(64) float sk[D];
     float kconst[G];
+    // A pure-load pass over the item's K side (sealed blocks: packed rows and the channel scales and
+    // zeros; open ones: the residual rows) before the K pass, and its V side before p.v, as decode_avx512
+    // warms: on a cold 30-layer cache (0.5-2 GB, 16-token blocks, SmolLM2's shape) 1.5-2.0x faster than
+    // without (best of 7, interleaved, a shared busy host; docs/kv_quantization.md).
+    const auto warm = [&](bool k_side) {
+      __m512i x = _mm512_setzero_si512();
+      const auto lines = [&](const void* p, int64_t bytes) {
+        for (int64_t off = 0; off < bytes; off += 64)
+          x = _mm512_or_si512(x, _mm512_loadu_si512(static_cast<const char*>(p) + off));
+      };
+      for (int64_t j = 0; j < nblocks; ++j) {
+        const int64_t blk = blocks[j], n = std::min(BS, L - j * BS);
+        const int32_t slot = res_slot[blk];
+        if (slot >= 0) {
+          lines(open_rows(k_side ? res_k : res_v, slot), n * D * 2);
+          continue;
+        }
+        lines((k_side ? k_cache : v_cache) + (h * NB + blk) * packed_bytes, n * D2);
+        if (k_side) lines(k_scale + (h * NB + blk) * D, 2 * D), lines(k_zero + (h * NB + blk) * D, 2 * D);
+        else lines(v_scale + (h * NB + blk) * BS, 2 * n), lines(v_zero + (h * NB + blk) * BS, 2 * n);
+      }
+      asm volatile("" : : "v"(x));  // keeps the loads
+    };
+    warm(true);
     for (int64_t a = 0; a < kPrefetch && a < 2 * nblocks; ++a) prefetch_block(a);
     for (int64_t j = 0; j < nblocks; ++j) {
       if (j + kPrefetch < 2 * nblocks) prefetch_block(j + kPrefetch);
@@ -1018,19 +1065,10 @@ void decode_int4_avx512(const at::BFloat16* q, const uint8_t* k_cache, const uin
       const int32_t slot = res_slot[blk];
       if (slot >= 0) {  // open: bf16 rows, as the bf16 kernel
         const at::BFloat16* kb = open_rows(res_k, slot);
-        for (int64_t t = 0; t < n; t += 16) {  // rows past n are read (the slot has BS rows), never used
-          for (int g = 0; g < G; ++g) {
-            __m512bh qv[NC];
-            for (int c = 0; c < NC; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qh + g * D + 32 * c);
-            __m512 acc[16];
-            for (int r = 0; r < 16; ++r) {
-              acc[r] = _mm512_setzero_ps();
-              for (int c = 0; c < NC; ++c)
-                acc[r] = _mm512_dpbf16_ps(acc[r], qv[c], (__m512bh)_mm512_loadu_si512(kb + (t + r) * D + 32 * c));
-            }
-            _mm512_storeu_ps(scores.data() + g * stride + t0 + t, _mm512_mul_ps(hsum16(acc), vscale));
-          }
-        }
+        for (int64_t t = 0; t < n; t += 16)  // rows past n are read (the slot has BS rows), never used
+          bf16_scores16<D, G>(qh, kb + t * D, [&](int g, __m512 dots) {
+            _mm512_storeu_ps(scores.data() + g * stride + t0 + t, _mm512_mul_ps(dots, vscale));
+          });
         continue;
       }
       // Sealed: the block's channel scales into the queries, the zeros into one constant per head.
@@ -1061,20 +1099,13 @@ void decode_int4_avx512(const at::BFloat16* q, const uint8_t* k_cache, const uin
             _mm512_store_si512(kconv + r * D + d, _mm512_permutexvar_epi16(w, nib_table));
             _mm512_store_si512(kconv + r * D + d + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), nib_table));
           }
-        for (int g = 0; g < G; ++g) {
-          __m512bh qv[NC];
-          for (int c = 0; c < NC; ++c) qv[c] = (__m512bh)_mm512_load_si512(qbf[g] + 32 * c);
-          __m512 acc[16];
-          for (int r = 0; r < 16; ++r) {
-            acc[r] = _mm512_setzero_ps();
-            for (int c = 0; c < NC; ++c)
-              acc[r] = _mm512_dpbf16_ps(acc[r], qv[c], (__m512bh)_mm512_load_si512(kconv + r * D + 32 * c));
-          }
-          _mm512_storeu_ps(scores.data() + g * stride + t0 + t, _mm512_add_ps(hsum16(acc), _mm512_set1_ps(kconst[g])));
-        }
+        bf16_scores16<D, G>(qbf, kconv, [&](int g, __m512 dots) {
+          _mm512_storeu_ps(scores.data() + g * stride + t0 + t, _mm512_add_ps(dots, _mm512_set1_ps(kconst[g])));
+        });
       }
     }
     for (int g = 0; g < G; ++g) softmax_inplace(scores.data() + g * stride, L);
+    warm(false);
     alignas(64) float accm[G][D];  // in the values' order
     __m512 zacc[G];                // sum_t p_t z_t, per lane
     for (int g = 0; g < G; ++g) {
@@ -1102,28 +1133,17 @@ void decode_int4_avx512(const at::BFloat16* q, const uint8_t* k_cache, const uin
           }
         }
       }
-      for (int c = 0; c < NC; ++c) {  // 32 dims: 16 even, 16 odd
-        __m512 acc[G][2];
-        for (int g = 0; g < G; ++g)
-          acc[g][0] = _mm512_load_ps(accm[g] + 32 * c), acc[g][1] = _mm512_load_ps(accm[g] + 32 * c + 16);
-        for (int64_t t = 0; t < n; ++t) {
-          __m512 v0, v1;
-          if (vr) {
-            const __m512 x0 = bf16x16_to_float(vr + t * D + 32 * c), x1 = bf16x16_to_float(vr + t * D + 32 * c + 16);
-            v0 = _mm512_permutex2var_ps(x0, even, x1), v1 = _mm512_permutex2var_ps(x0, odd, x1);
-          } else {
-            const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vb + t * D2 + 16 * c)));
-            v0 = _mm512_permutexvar_ps(w, nib_f32), v1 = _mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), nib_f32);
-          }
-          for (int g = 0; g < G; ++g) {
-            const __m512 p = _mm512_set1_ps(scores[g * stride + t0 + t]);
-            acc[g][0] = _mm512_fmadd_ps(p, v0, acc[g][0]);
-            acc[g][1] = _mm512_fmadd_ps(p, v1, acc[g][1]);
-          }
-        }
-        for (int g = 0; g < G; ++g)
-          _mm512_store_ps(accm[g] + 32 * c, acc[g][0]), _mm512_store_ps(accm[g] + 32 * c + 16, acc[g][1]);
-      }
+      // Each slice's 32 dims in the values' order: 16 even, 16 odd.
+      if (vr)
+        pv_block<D, G>(accm, scores.data() + t0, stride, n, [&](int64_t t, int c, __m512& v0, __m512& v1) {
+          const __m512 x0 = bf16x16_to_float(vr + t * D + 32 * c), x1 = bf16x16_to_float(vr + t * D + 32 * c + 16);
+          v0 = _mm512_permutex2var_ps(x0, even, x1), v1 = _mm512_permutex2var_ps(x0, odd, x1);
+        });
+      else
+        pv_block<D, G>(accm, scores.data() + t0, stride, n, [&](int64_t t, int c, __m512& v0, __m512& v1) {
+          const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vb + t * D2 + 16 * c)));
+          v0 = _mm512_permutexvar_ps(w, nib_f32), v1 = _mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), nib_f32);
+        });
     }
     for (int g = 0; g < G; ++g) {  // back in order, plus the zeros' share
       at::BFloat16* o = out + (b * H + h * G + g) * D;
