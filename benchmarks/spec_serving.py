@@ -191,6 +191,7 @@ def compare_measure(args: argparse.Namespace, tokenizer) -> Measure:  # type: ig
         results = run_compare(
             modes, w, server_args=server_args, endpoint=endpoint, max_concurrency=concurrency,
             tokenizer=tokenizer, samples=samples, show_progress=False, stdout=io.StringIO(),
+            server_timeout_s=args.server_timeout_s,
         )
         return [mr.result for mr in results]
 
@@ -233,6 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--server-timeout-s", type=float, default=900.0,
+                    help="a server's first start on a host builds the C++ kernels and autotunes (minutes)")
     ap.add_argument("--quick", action="store_true", help="smoke run: code-edit at 1 and 4, 4 requests of 32 tokens")
     ap.add_argument("--out", default=None, metavar="PATH", help="write the rows, the host and the config as JSON")
     args = ap.parse_args(argv)

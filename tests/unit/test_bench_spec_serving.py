@@ -85,3 +85,23 @@ def test_no_drafts_reads_as_dashes_and_failures_are_flagged():
     table = spec_serving.format_table(rows)
     assert [c.strip() for c in table.splitlines()[2].split(" | ")][-2:] == ["-", "-"]
     assert "1 failed requests" in table
+
+
+def test_spec_ngram_preset_is_the_default_on_mode():
+    import json
+
+    from pdserve.bench.presets import BUILTIN_PRESETS
+
+    flag, config = BUILTIN_PRESETS["spec-ngram"].args
+    assert flag == "--speculative-config"
+    assert json.loads(config) == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+                                  "prompt_lookup_max": 5}
+
+
+def test_compare_refuses_empty_samples_before_starting_a_server():
+    from pdserve.bench.compare import run_compare
+    from pdserve.config import Workload
+
+    with pytest.raises(ValueError, match="empty"):
+        run_compare([spec_serving.OFF], Workload(dataset="random", num_prompts=1), samples=[],
+                    tokenizer=object())  # type: ignore[arg-type]
