@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import TextIO
 
 from pdserve.bench.client import fetch_model_name
-from pdserve.bench.datasets import DecodingTokenizer
+from pdserve.bench.datasets import DecodingTokenizer, SampleRequest
 from pdserve.bench.metrics import SLO
 from pdserve.bench.presets import Preset
 from pdserve.bench.serve_bench import (
@@ -120,17 +120,23 @@ def run_compare(
     server_env: Mapping[str, str] | None = None,
     show_progress: bool = True,
     stdout: TextIO | None = None,
+    samples: Sequence[SampleRequest] | None = None,
 ) -> list[ModeResult]:
     """Run `workload` against a fresh `pdserve serve <server_args> <preset args>` per mode; print the
     table, write `out` (JSON) and its figure (same name, .png), plots into `plot_dir` and a trace with one
-    process per mode. `model`: the name to send (default: the first each server lists)."""
+    process per mode. `model`: the name to send (default: the first each server lists). `samples`: the
+    requests to send instead of `workload`'s (e.g. with capped output lengths); `workload` still names
+    them in the report."""
     # Built before any server starts, so that a bad value fails at once; base URL and model come per mode.
     arrivals = LoadConfig(
         base_url="", model="", endpoint=endpoint, request_rate=request_rate, burstiness=burstiness,
         max_concurrency=max_concurrency, seed=workload.seed,
     )
     tokenizer = tokenizer or default_tokenizer()
-    samples = workload_samples(workload, tokenizer)
+    if samples is None:
+        samples = workload_samples(workload, tokenizer)
+    elif not samples:
+        raise ValueError("the workload is empty")
     results: list[ModeResult] = []
     for preset in modes:
         server = ServerProcess([*server_args, *preset.args], env=server_env)

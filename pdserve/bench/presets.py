@@ -24,6 +24,10 @@ class Preset:
     description: str = ""
 
 
+# `--speculative-config` of the `spec-ngram` preset (benchmarks/spec_serving.py's default "on" mode).
+NGRAM_SPEC_CONFIG = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
+
+
 BUILTIN_PRESETS: Mapping[str, Preset] = MappingProxyType(
     {
         p.name: p
@@ -53,6 +57,11 @@ BUILTIN_PRESETS: Mapping[str, Preset] = MappingProxyType(
                 "disagg-1p1d-chunked",
                 ("--disagg", "1p1d", "--scheduler", "chunked", "--chunk-size", "256"),
                 "1P1D with chunked prefill on the prefill instance (KV sent chunk by chunk)",
+            ),
+            Preset(
+                "spec-ngram",
+                ("--speculative-config", NGRAM_SPEC_CONFIG),
+                "n-gram prompt lookup, k = 4 (window 2-5), the default length rule",
             ),
         )
     }
