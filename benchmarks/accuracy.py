@@ -19,11 +19,13 @@ import argparse
 import json
 import logging
 import sys
+import time
 
 from tqdm.auto import tqdm
 
 from pdserve.bench.accuracy import (
     BASELINE,
+    MAX_SCORED_ROWS,
     OPTIONS,
     OptionError,
     base_config,
@@ -51,7 +53,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-total-len", type=int, default=1024, help="prompt + reference reply, in tokens")
     ap.add_argument("--chunk", type=int, default=16, help="reply tokens per teacher-forced step (1: decode)")
     ap.add_argument("--batch-size", type=int, default=16, help="conversations scored together per step")
+    ap.add_argument("--max-scored-rows", type=int, default=MAX_SCORED_ROWS,
+                    help="scored positions per step at most (each is a vocab-sized float32 row per engine)")
     ap.add_argument("--max-tokens", type=int, default=128, help="greedy continuation length (0: skip)")
+    ap.add_argument("--greedy-prompts", type=int, default=None,
+                    help="greedy continuations of the first N conversations only (default: all)")
     ap.add_argument("--max-num-seqs", type=int, default=16, help="greedy continuations run together")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--num-threads", type=int, default=None)
@@ -81,18 +87,22 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer, args.num_prompts, args.seed, max_total_len=args.max_total_len  # type: ignore[arg-type]
     )
     num_steps = len(plan_steps(convs, args.chunk, args.batch_size))
+    t0 = time.perf_counter()
     with tqdm(total=num_steps, desc="teacher-forced steps", unit="step") as bar:
         results = evaluate(engines, args.baseline, convs, options, chunk=args.chunk, max_batch=args.batch_size,
-                           max_tokens=args.max_tokens, progress=bar.update)
+                           max_tokens=args.max_tokens, progress=bar.update, max_rows=args.max_scored_rows,
+                           greedy_prompts=args.greedy_prompts)
+    elapsed = time.perf_counter() - t0
     num_reply = sum(len(c.reply_ids) for c in convs)
     model = engines[args.baseline].model_name
     print(f"{model}: {len(convs)} conversations, {num_reply} reply positions, chunk {args.chunk}, "
-          f"baseline {args.baseline} {options[args.baseline]}")
+          f"baseline {args.baseline} {options[args.baseline]}; {len(engines)} engines, {elapsed:.0f} s")
+    print("95% CI: percentile bootstrap over conversations (2,000 resamples) of the token-weighted mean KL")
     print(format_table(args.baseline, results))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "model": model, "baseline": args.baseline,
-                       "num_conversations": len(convs), "num_reply_positions": num_reply,
+                       "num_conversations": len(convs), "num_reply_positions": num_reply, "seconds": elapsed,
                        "results": [r.to_dict() for r in results]}, f, indent=2)
     return 0
 

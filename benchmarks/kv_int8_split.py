@@ -27,7 +27,13 @@ from collections.abc import Callable
 import torch
 
 from pdserve.attention.torch_ref import TorchAttention
-from pdserve.bench.accuracy import base_config, build_engines, sample_conversations, score_teacher_forced
+from pdserve.bench.accuracy import (
+    base_config,
+    bootstrap_ratio_ci,
+    build_engines,
+    sample_conversations,
+    score_teacher_forced,
+)
 from pdserve.kv.quant import dequantize, quantize
 
 Rounding = Callable[[torch.Tensor], torch.Tensor]
@@ -48,6 +54,15 @@ def int8_asymmetric(x: torch.Tensor) -> torch.Tensor:
     return (q * scale + zero).to(x.dtype)
 
 
+def int8_group32(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] through symmetric int8 with a float16 scale per 32 channels (llama.cpp q8_0's blocks):
+    at head_dim 64 two scales, the same 4 bytes per row as one float32 scale."""
+    xf = x.float().unflatten(-1, (-1, 32))
+    scale = (xf.abs().amax(-1, keepdim=True) / 127.0).half().float()
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    return ((xf * inv).round_().clamp_(-127, 127) * scale).flatten(-2).to(x.dtype)
+
+
 class RoundedKV(TorchAttention):
     """The reference attention over K and/or V rounded by a quantizer before they are written or read."""
 
@@ -65,6 +80,7 @@ ROUNDED: dict[str, tuple[Rounding | None, Rounding | None]] = {
     "k-int8": (int8_symmetric, None),
     "v-int8": (None, int8_symmetric),
     "kv-int8-asym": (int8_asymmetric, int8_asymmetric),
+    "kv-int8-g32": (int8_group32, int8_group32),
 }
 
 
@@ -87,13 +103,20 @@ def main(argv: list[str] | None = None) -> int:
     convs = sample_conversations(engines["bf16"].tokenizer, args.num_prompts, args.seed,  # type: ignore[arg-type]
                                  max_total_len=args.max_total_len)
     stats = score_teacher_forced(engines, "bf16", convs, args.chunk, args.batch_size)
+    base_sums = stats["kv-int8"].per_conversation()
     print(f"{engines['bf16'].model_name}: {len(convs)} conversations, "
           f"{sum(len(c.reply_ids) for c in convs)} reply positions, torch reference attention, bf16")
-    print(f"{'option':<16} {'mean KL':>9} {'p99 KL':>9} {'top-1':>7}  mean KL by context")
+    print("CI: bootstrap over conversations; minus kv-int8: paired, the same resampled conversations")
+    print(f"{'option':<16} {'mean KL':>9} {'95% CI':>20} {'minus kv-int8 95% CI':>22} {'p99 KL':>9} {'top-1':>7}"
+          "  mean KL by context")
     for name, s in stats.items():
         t = s.summary()
+        kl_sum, count, _ = s.per_conversation()
+        diff = bootstrap_ratio_ci(kl_sum - base_sums[0], count)
         by_ctx = "  ".join(f"{k}: {v:.2e}" for k, v in t["mean_kl_by_context"].items())  # type: ignore[union-attr]
-        print(f"{name:<16} {t['mean_kl']:>9.2e} {t['p99_kl']:>9.2e} {t['top1_agreement']:>7.2%}  {by_ctx}")
+        lo, hi = t["mean_kl_ci95"]  # type: ignore[misc]
+        print(f"{name:<16} {t['mean_kl']:>9.2e} [{lo:.2e}, {hi:.2e}] [{diff[0]:+.2e}, {diff[1]:+.2e}] "
+              f"{t['p99_kl']:>9.2e} {t['top1_agreement']:>7.2%}  {by_ctx}")
     return 0
 
 

@@ -261,10 +261,28 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
 CONTEXT_BINS = (0, 128, 256, 512, 1024, 2048, 4096)
 
 
+def bootstrap_ratio_ci(
+    num: torch.Tensor, den: torch.Tensor, *, num_resamples: int = 2000, level: float = 0.95, seed: int = 0
+) -> tuple[float, float]:
+    """A percentile-bootstrap interval of sum(num) / sum(den) over units resampled with replacement (here
+    conversations: `num` a conversation's summed KL, `den` its positions). Positions of one conversation
+    are not independent (one hard reply moves all of its rows), so the conversation is the unit; a
+    paired difference of two options is the same call with num = kl_a - kl_b per conversation."""
+    if num.numel() == 0:
+        return float("nan"), float("nan")
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(num.numel(), (num_resamples, num.numel()), generator=gen)
+    ratios = num.double()[idx].sum(1) / den.double()[idx].sum(1).clamp_min(1e-300)
+    tail = (1.0 - level) / 2
+    lo, hi = torch.quantile(ratios, torch.tensor([tail, 1.0 - tail], dtype=torch.float64)).tolist()
+    return lo, hi
+
+
 @dataclass(slots=True)
 class TeacherForcedStats:
-    """One option against the baseline over reply positions: sums, plus every position's KL and context
-    position (a float64 and an int64 per position, on the host) for percentiles and the breakdown."""
+    """One option against the baseline over reply positions: sums, plus every position's KL, context
+    position, conversation and top-1 agreement (on the host) for percentiles, the breakdown by context
+    and the spread over conversations."""
 
     num_positions: int = 0
     num_top1_agree: int = 0
@@ -272,16 +290,39 @@ class TeacherForcedStats:
     base_nll_sum: float = 0.0
     kl: list[torch.Tensor] = field(default_factory=list)
     positions: list[torch.Tensor] = field(default_factory=list)
+    conv_ids: list[torch.Tensor] = field(default_factory=list)
+    agree: list[torch.Tensor] = field(default_factory=list)
 
     def add(
-        self, base_logp: torch.Tensor, logp: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor
+        self,
+        base_logp: torch.Tensor,
+        logp: torch.Tensor,
+        targets: torch.Tensor,
+        positions: torch.Tensor,
+        conv_ids: torch.Tensor,
     ) -> None:
         self.num_positions += int(targets.numel())
-        self.kl.append(kl_divergence(base_logp, logp).double().cpu())
         self.positions.append(positions.cpu())
-        self.num_top1_agree += int(top1_agreement(base_logp, logp).sum())
-        self.nll_sum += float(token_nll(logp, targets).double().sum())
-        self.base_nll_sum += float(token_nll(base_logp, targets).double().sum())
+        self.conv_ids.append(conv_ids.cpu())
+        for b, o, t in zip(base_logp.split(_ROW_SLICE), logp.split(_ROW_SLICE), targets.split(_ROW_SLICE)):
+            self.kl.append(kl_divergence(b, o).double().cpu())
+            agree = top1_agreement(b, o)
+            self.agree.append(agree.cpu())
+            self.num_top1_agree += int(agree.sum())
+            self.nll_sum += float(token_nll(o, t).double().sum())
+            self.base_nll_sum += float(token_nll(b, t).double().sum())
+
+    def per_conversation(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per conversation seen (in index order): its summed KL, its number of positions and of top-1
+        agreements."""
+        if not self.kl:
+            return (torch.zeros(0, dtype=torch.float64),) * 3  # type: ignore[return-value]
+        conv = torch.cat(self.conv_ids)
+        ids, inverse = conv.unique(return_inverse=True)
+        kl_sum = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, inverse, torch.cat(self.kl))
+        count = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, inverse, torch.ones(len(conv), dtype=torch.float64))
+        agree = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, inverse, torch.cat(self.agree).double())
+        return kl_sum, count, agree
 
     def summary(self) -> dict[str, object]:
         ppl = perplexity(self.nll_sum, self.num_positions)
@@ -294,16 +335,25 @@ class TeacherForcedStats:
         for b in bins.unique().tolist():
             lo, hi = CONTEXT_BINS[b], CONTEXT_BINS[b + 1] if b + 1 < len(CONTEXT_BINS) else None
             by_context[f"{lo}-{hi - 1}" if hi else f"{lo}-"] = float(kl[bins == b].mean())
+        kl_sum, count, agree = self.per_conversation()
+        conv_kl = kl_sum / count.clamp_min(1)
+        spread = (torch.quantile(conv_kl, torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)).tolist()
+                  if conv_kl.numel() else [float("nan")] * 3)
         n = max(1, self.num_positions)
         return {
             "positions": self.num_positions,
+            "conversations": int(count.numel()),
             "mean_kl": float(kl.sum()) / n,
+            "mean_kl_ci95": bootstrap_ratio_ci(kl_sum, count),  # over conversations
             "median_kl": q[0],
             "p99_kl": q[1],
             "p999_kl": q[2],
             "max_kl": float(kl.max()),
             "mean_kl_by_context": by_context,
+            # each conversation's own mean KL: 10th, 50th and 90th percentile over conversations
+            "conversation_mean_kl_p10_p50_p90": spread,
             "top1_agreement": self.num_top1_agree / n,
+            "top1_agreement_ci95": bootstrap_ratio_ci(agree, count),
             "ppl": ppl,
             "base_ppl": base_ppl,
             "ppl_delta": ppl / base_ppl - 1.0,
@@ -352,13 +402,22 @@ class Piece:
         return self.start + self.num_tokens - self.num_scored - (len(conv.prompt_ids) - 1)
 
 
-def plan_steps(convs: Sequence[Conversation], chunk: int, max_batch: int) -> list[list[Piece]]:
+# Scored rows per step by default: each engine's step is a [rows, vocab] float32 block (Qwen's 151,936
+# tokens: 0.6 GB per thousand rows), held for the baseline and one option at a time.
+MAX_SCORED_ROWS = 2048
+
+
+def plan_steps(
+    convs: Sequence[Conversation], chunk: int, max_batch: int, max_rows: int = MAX_SCORED_ROWS
+) -> list[list[Piece]]:
     """The scoring steps, from lengths only (so every engine runs the same ones). Up to `max_batch`
     conversations run at once, a new one admitted as soon as one finishes; each runs its prompt but the
     last token in one unscored piece, then `chunk` scored tokens per step (the first is the prompt's last
-    token, whose row predicts the first reply token)."""
-    if chunk < 1 or max_batch < 1:
-        raise ValueError("chunk and max_batch must be >= 1")
+    token, whose row predicts the first reply token). A step scores at most `max_rows` tokens: once they
+    are spent the step's later conversations run shorter pieces or sit it out (the logits a step returns
+    are rows x vocab float32, so this bounds memory whatever the chunk)."""
+    if chunk < 1 or max_batch < 1 or max_rows < 1:
+        raise ValueError("chunk, max_batch and max_rows must be >= 1")
     pending = deque(range(len(convs)))
     active: dict[int, int] = {}  # conversation -> next stream position to run
     steps: list[list[Piece]] = []
@@ -366,14 +425,18 @@ def plan_steps(convs: Sequence[Conversation], chunk: int, max_batch: int) -> lis
         while pending and len(active) < max_batch:
             active[pending.popleft()] = 0
         step = []
+        rows_left = max_rows
         for i, start in list(active.items()):
             prefill_len = len(convs[i].prompt_ids) - 1
             total = prefill_len + len(convs[i].reply_ids)  # len(stream_ids)
             if start < prefill_len:
                 n, scored = prefill_len - start, 0
             else:
-                n = min(chunk, total - start)
+                n = min(chunk, total - start, rows_left)
+                if n == 0:
+                    continue
                 scored = n
+                rows_left -= n
             last = start + n == total
             step.append(Piece(i, start, n, scored, last))
             if last:
@@ -412,7 +475,10 @@ def teacher_forced_rows(
                 tokens = stream[p.start : p.start + p.num_tokens]
                 batch.append(BatchRequest(req.req_id, tokens, p.start, list(req.block_ids), False, 0, params))
             logits = engine.runner.logits_for(batch, [p.num_scored for p in step])
-            yield torch.log_softmax(torch.cat(logits), dim=-1)
+            rows = torch.cat(logits) if len(logits) != 1 else logits[0]
+            del logits  # a suspended generator keeps its locals: it must not hold a second copy
+            yield _log_softmax_(rows)
+            del rows
             for p in step:
                 if p.last:
                     bm.free(reqs.pop(p.index))
@@ -421,17 +487,33 @@ def teacher_forced_rows(
             bm.free(req)
 
 
-def step_targets(convs: Sequence[Conversation], step: Sequence[Piece]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference tokens the step's scored rows predict, and each row's position in its stream (the
-    tokens before it), in the order of `teacher_forced_rows`."""
+# Rows normalised / compared at a time: bounds the [rows, vocab] float32 temporaries.
+_ROW_SLICE = 256
+
+
+def _log_softmax_(rows: torch.Tensor) -> torch.Tensor:
+    """log_softmax over the last dim, in place, a slice of rows at a time (no second rows x vocab copy)."""
+    for s in rows.split(_ROW_SLICE):
+        s.sub_(torch.logsumexp(s, dim=-1, keepdim=True))
+    return rows
+
+
+def step_targets(
+    convs: Sequence[Conversation], step: Sequence[Piece]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference tokens the step's scored rows predict, each row's position in its stream (the
+    tokens before it) and its conversation, in the order of `teacher_forced_rows`."""
     targets: list[int] = []
     positions: list[int] = []
+    conv_ids: list[int] = []
     for p in step:
         if p.num_scored:
             first = p.first_reply_index(convs[p.index])
             targets.extend(convs[p.index].reply_ids[first : first + p.num_scored])
             positions.extend(range(p.start + p.num_tokens - p.num_scored, p.start + p.num_tokens))
-    return torch.tensor(targets, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64)
+            conv_ids.extend([p.index] * p.num_scored)
+    as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    return as_tensor(targets), as_tensor(positions), as_tensor(conv_ids)
 
 
 def score_teacher_forced(
@@ -441,20 +523,24 @@ def score_teacher_forced(
     chunk: int = 16,
     max_batch: int = 8,
     progress: Callable[[int], None] | None = None,
+    max_rows: int = MAX_SCORED_ROWS,
 ) -> dict[str, TeacherForcedStats]:
     """Every option (engines but the baseline) against the baseline, over all reply positions. The
-    engines run the same steps in lockstep; `progress(n)` is called after each step with its count."""
-    steps = plan_steps(convs, chunk, max_batch)
+    engines run the same steps in lockstep, and only the baseline's rows and one option's are alive at a
+    time; `progress(n)` is called after each step with its count."""
+    steps = plan_steps(convs, chunk, max_batch, max_rows)
     streams = {name: teacher_forced_rows(engine, convs, steps) for name, engine in engines.items()}
     stats = {name: TeacherForcedStats() for name in engines if name != baseline}
     for step in steps:
         base_rows = next(streams[baseline])
-        targets, positions = step_targets(convs, step)
+        targets, positions, conv_ids = step_targets(convs, step)
         targets = targets.to(base_rows.device)
         for name, s in stats.items():
             rows = next(streams[name])
             if targets.numel():
-                s.add(base_rows, rows.to(base_rows.device), targets, positions)
+                s.add(base_rows, rows.to(base_rows.device), targets, positions, conv_ids)
+            del rows
+        del base_rows
         if progress is not None:
             progress(1)
     return stats
@@ -507,12 +593,16 @@ def evaluate(
     max_batch: int = 8,
     max_tokens: int = 128,
     progress: Callable[[int], None] | None = None,
+    max_rows: int = MAX_SCORED_ROWS,
+    greedy_prompts: int | None = None,
 ) -> list[OptionResult]:
-    """Teacher-forced and (with `max_tokens` > 0) greedy figures for every option but the baseline."""
-    tf = score_teacher_forced(engines, baseline, convs, chunk, max_batch, progress)
+    """Teacher-forced and (with `max_tokens` > 0) greedy figures for every option but the baseline; the
+    greedy part runs on the first `greedy_prompts` conversations (None: all)."""
+    tf = score_teacher_forced(engines, baseline, convs, chunk, max_batch, progress, max_rows)
     greedy = {}
     if max_tokens > 0:
-        greedy = score_greedy(engines, baseline, [c.prompt_ids for c in convs], max_tokens)
+        prompts = [c.prompt_ids for c in convs[:greedy_prompts]]
+        greedy = score_greedy(engines, baseline, prompts, max_tokens)
     return [
         OptionResult(name, dict(options.get(name, {})), tf[name].summary(),
                      greedy[name].summary() if name in greedy else None)
@@ -523,14 +613,14 @@ def evaluate(
 
 def format_table(baseline: str, results: Sequence[OptionResult]) -> str:
     """One line per option: the teacher-forced figures against the baseline, then the greedy ones."""
-    head = (f"{'option':<12} {'mean KL':>10} {'p99 KL':>9} {'max KL':>9} {'top-1':>7} {'ppl':>8} "
+    head = (f"{'option':<12} {'mean KL':>10} {'95% CI':>19} {'p99 KL':>9} {'max KL':>9} {'top-1':>7} {'ppl':>8} "
             f"{'ppl ' + baseline:>9} {'ppl delta':>9} {'identical':>9} {'1st div mean':>12} {'median':>7}")
     lines = [head]
     for r in results:
         t, g = r.teacher_forced, r.greedy or {}
         mean, median = g.get("mean_first_divergence"), g.get("median_first_divergence")
         lines.append(
-            f"{r.name:<12} {t['mean_kl']:>10.2e} {t['p99_kl']:>9.2e} {t['max_kl']:>9.2e} "
+            f"{r.name:<12} {t['mean_kl']:>10.2e} {_ci(t['mean_kl_ci95']):>19} {t['p99_kl']:>9.2e} {t['max_kl']:>9.2e} "
             f"{t['top1_agreement']:>7.2%} {t['ppl']:>8.3f} {t['base_ppl']:>9.3f} {t['ppl_delta']:>+9.2%} "
             f"{_fmt(g.get('share_identical'), '.0%'):>9} {_fmt(mean, '.1f'):>12} {_fmt(median, '.1f'):>7}"
         )
@@ -538,6 +628,11 @@ def format_table(baseline: str, results: Sequence[OptionResult]) -> str:
         if r.teacher_forced["mean_kl"] == 0.0 and r.teacher_forced["max_kl"] == 0.0:
             lines.append(f"note: {r.name} is bit-identical to {baseline}: does this build use {r.overrides}?")
     return "\n".join(lines)
+
+
+def _ci(ci: object) -> str:
+    lo, hi = ci  # type: ignore[misc]
+    return f"[{lo:.2e}, {hi:.2e}]"
 
 
 def _fmt(x: object, spec: str) -> str:

@@ -14,6 +14,7 @@ from pdserve.bench.accuracy import (
     GreedyStats,
     OptionError,
     TeacherForcedStats,
+    bootstrap_ratio_ci,
     first_divergence,
     kl_divergence,
     option_config,
@@ -67,11 +68,16 @@ def test_teacher_forced_stats_sum_over_positions():
     p = logp([0.4, 0.6], [0.9, 0.1])
     q = logp([0.9, 0.1], [0.9, 0.1])
     s = TeacherForcedStats()
-    s.add(p, q, torch.tensor([0, 0]), positions=torch.tensor([5, 300]))
-    s.add(p[:1], p[:1], torch.tensor([1]), positions=torch.tensor([130]))
+    s.add(p, q, torch.tensor([0, 0]), positions=torch.tensor([5, 300]), conv_ids=torch.tensor([7, 2]))
+    s.add(p[:1], p[:1], torch.tensor([1]), positions=torch.tensor([130]), conv_ids=torch.tensor([7]))
     out = s.summary()
     kl0 = 0.4 * math.log(0.4 / 0.9) + 0.6 * math.log(0.6 / 0.1)
-    assert out["positions"] == 3
+    assert out["positions"] == 3 and out["conversations"] == 2
+    kl_sum, count, agree = s.per_conversation()  # conversations 2 and 7, in index order
+    assert kl_sum.tolist() == pytest.approx([0.0, kl0]) and count.tolist() == [1, 2] and agree.tolist() == [1, 1]
+    assert out["conversation_mean_kl_p10_p50_p90"] == pytest.approx([0.1 * kl0 / 2, kl0 / 4, 0.9 * kl0 / 2])
+    lo, hi = out["mean_kl_ci95"]
+    assert 0.0 <= lo < out["mean_kl"] < hi <= kl0 / 2  # resampling conversation 2 alone gives 0, 7 alone kl0/2
     assert out["mean_kl"] == pytest.approx(kl0 / 3)
     assert out["max_kl"] == pytest.approx(kl0) and out["median_kl"] == 0.0
     assert out["p99_kl"] == pytest.approx(kl0 * 0.98)  # linear between the two largest of [0, 0, kl0]
@@ -124,12 +130,45 @@ def test_plan_covers_every_stream_position_once_and_scores_every_reply_token(chu
         expected = [
             convs[p.index].reply_ids[p.first_reply_index(convs[p.index]) + k] for p in step for k in range(p.num_scored)
         ]
-        targets, positions = step_targets(convs, step)
+        targets, positions, conv_ids = step_targets(convs, step)
         assert targets.tolist() == expected
         assert positions.tolist() == [p.start + k for p in step for k in range(p.num_scored)]
+        assert conv_ids.tolist() == [p.index for p in step for _ in range(p.num_scored)]
     for i, c in enumerate(convs):
         assert ran[i] == list(range(len(c.stream_ids)))
         assert scored[i] == list(range(len(c.reply_ids)))
+
+
+@pytest.mark.parametrize("chunk,max_rows", [(8, 5), (1024, 16), (3, 1)])
+def test_plan_scores_at_most_max_rows_per_step_and_still_covers_everything(chunk, max_rows):
+    convs = _convs((5, 40), (1, 4), (12, 30), (3, 20), (7, 7))
+    steps = plan_steps(convs, chunk, 4, max_rows)
+    assert max(sum(p.num_scored for p in step) for step in steps) == max_rows
+    scored: dict[int, list[int]] = {i: [] for i in range(len(convs))}
+    for step in steps:
+        assert step and sum(p.num_scored for p in step) <= max_rows
+        for p in step:
+            assert p.num_tokens > 0
+            first = p.first_reply_index(convs[p.index])
+            scored[p.index].extend(range(first, first + p.num_scored))
+    assert all(scored[i] == list(range(len(c.reply_ids))) for i, c in enumerate(convs))
+    # the cap is the only difference: without it the same conversations take fewer steps
+    assert len(plan_steps(convs, chunk, 4, 10**6)) < len(steps)
+
+
+def test_bootstrap_interval_covers_the_ratio_and_narrows_with_more_conversations():
+    gen = torch.Generator().manual_seed(0)
+    def draw(n):
+        count = torch.randint(20, 200, (n,), generator=gen).double()
+        return count * (2e-3 + 1e-3 * torch.randn(n, generator=gen, dtype=torch.float64)), count
+    few, many = draw(8), draw(200)
+    lo8, hi8 = bootstrap_ratio_ci(*few)
+    lo, hi = bootstrap_ratio_ci(*many)
+    assert lo8 < float(few[0].sum() / few[1].sum()) < hi8 and lo < float(many[0].sum() / many[1].sum()) < hi
+    assert hi - lo < (hi8 - lo8) / 2  # 25x the conversations: about a fifth of the width
+    assert bootstrap_ratio_ci(*many) == (lo, hi)  # seeded
+    const = torch.full((5,), 3.0), torch.full((5,), 2.0)
+    assert bootstrap_ratio_ci(*const) == pytest.approx((1.5, 1.5))
 
 
 def test_plan_admits_a_new_conversation_as_soon_as_one_finishes():
