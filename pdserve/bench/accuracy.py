@@ -492,9 +492,11 @@ _ROW_SLICE = 256
 
 
 def _log_softmax_(rows: torch.Tensor) -> torch.Tensor:
-    """log_softmax over the last dim, in place, a slice of rows at a time (no second rows x vocab copy)."""
-    for s in rows.split(_ROW_SLICE):
-        s.sub_(torch.logsumexp(s, dim=-1, keepdim=True))
+    """log_softmax over the last dim, in place, a slice of rows at a time (no second rows x vocab copy).
+    Under inference mode: the runner's logits are inference tensors, which only it may update in place."""
+    with torch.inference_mode():
+        for s in rows.split(_ROW_SLICE):
+            s.sub_(torch.logsumexp(s, dim=-1, keepdim=True))
     return rows
 
 
