@@ -50,7 +50,11 @@ def test_w8a8_greedy_follows_bf16():
     msgs = [[{"role": "user", "content": p}] for p in PROMPTS]
     outs = {}
     for wd, kernel in (("bfloat16", "pdserve"), ("w8a8", "onednn")):
-        llm = LLM(weight_dtype=wd, linear_kernel=kernel)
+        # Attention pinned too (the C++ kernels, nothing timed): the first reply token of the France prompt
+        # is a near-tie under w8a8, and which prefill kernel the host's autotune picks (the AMX one sums in
+        # another order) flips it: "The capital of France is Paris" with the AVX-512 kernel, "L'Etoile, la
+        # Marseillaise, ..." with AMX tiles on host C (session 11).
+        llm = LLM(weight_dtype=wd, linear_kernel=kernel, attention_backend="cpu-paged")
         outs[wd] = [o.outputs[0] for o in llm.chat(msgs, params, use_tqdm=False)]
         if wd == "w8a8":
             assert llm.engine.model.linear_plan.weight_dtype == "w8a8"
