@@ -42,7 +42,7 @@ pool). Not timed by `autotune` (one candidate per phase).
 Where the CPU has AMX (and Linux grants the tile state), prefill has a third candidate, `paged_prefill_amx`:
 the same flash loop with both products on the tile unit (scores as K Q^T, output as V^T P^T, so the
 lane-wise softmax stays as it is), for a bf16 cache; measured on a Xeon with AMX, 2 threads, 3-5x the
-AVX-512 kernel and 1.3-1.6x torch's SDPA at 256-2,048 tokens (`benchmarks/prefill_kernels.py`).
+AVX-512 kernel and 1.4-2x torch's SDPA at 256-2,048 tokens (`benchmarks/prefill_kernels.py`).
 
 Under `--attention-backend auto` the engine calls `autotune`, which times each phase's C++ kernels
 against the reference's (decode: gather + bmm; prefill: SDPA) on the model's shapes and sets an
