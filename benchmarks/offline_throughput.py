@@ -151,7 +151,7 @@ def main() -> None:
     ap.add_argument("--phase-prompt-len", type=int, default=256)
     ap.add_argument("--skip-phases", action="store_true")
     ap.add_argument("--no-fused-ops", action="store_true", help="plain torch elementwise ops (A/B of model/ops.py)")
-    ap.add_argument("--linear-kernel", default="auto", help="auto | pdserve | onednn | torch (A/B of model/linear.py)")
+    ap.add_argument("--linear-kernel", default="auto", help="auto | pdserve | onednn | fp32 | torch (A/B of model/linear.py)")
     ap.add_argument("--batch-invariant", action="store_true", help="one row-independent kernel for all row counts")
     ap.add_argument("--kernel-cache-dir", default=None, help="measured kernel choices (default ~/.cache/pdserve; '' none)")
     ap.add_argument("--weight-dtype", default="auto", help="auto | bfloat16 | int8 (8-bit projections and head)")

@@ -9,6 +9,14 @@
   with AMX it runs AMX tiles (`ONEDNN_VERBOSE=1` shows `brg_matmul:avx512_core_amx`). Its blocking, and
   so a row's rounding, changes with the row count.
 - `TorchLinear`: plain `F.linear` on the unpacked weight (no extra memory).
+- `Fp32Linear` ("fp32"): a float32 copy of W and `F.linear` in float32 (oneDNN/MKL's sgemm), the output
+  rounded to bf16: the same math as a bf16 GEMM (bf16 products are exact in fp32, sums in fp32), on the
+  fp32 units. For CPUs without native bf16 (no AVX-512 BF16, no AMX: AMD Zen 2/3, older Xeons), where
+  oneDNN has no bf16 matmul at all and torch's bf16 GEMM runs at a few GFLOP/s, it is the compute-bound
+  kernel; it costs twice the bf16 weights' memory where it wins a bucket.
+
+`Bf16DotLinear` has a second build path for those CPUs (AVX2 + FMA: the same panels widened to fp32 in
+registers), so decode-sized row counts still stream bf16 weights.
 
 With 8-bit weights (`--weight-dtype int8`: `Int8Weight`, W ~ scale[n] * Q[n, :], symmetric per output
 channel, half the bytes a decode step streams) the same three names mean:
@@ -72,7 +80,7 @@ _SOURCE_INT8 = os.path.join(os.path.dirname(__file__), "csrc", "linear_int8.cpp"
 _HEADER = os.path.join(os.path.dirname(__file__), "csrc", "linear_common.h")  # included by both
 
 PackedLinear = Callable[[torch.Tensor], torch.Tensor]
-LINEAR_KINDS = ("auto", "pdserve", "onednn", "torch")
+LINEAR_KINDS = ("auto", "pdserve", "onednn", "fp32", "torch")
 # Kernels whose rows do not depend on the batch (tests/model/test_linear*.py): pdserve's (fixed fp32 order)
 # and the int8 x int8 ones (a row's quantization is its own and int32 sums are exact in any order).
 ROW_INDEPENDENT = ("pdserve", "onednn-a8", "torch-a8")
@@ -88,7 +96,7 @@ def _build(name: str, source: str) -> Any:
         extra_ldflags=["-fopenmp"],
     )
     if not ext.available():
-        raise RuntimeError("this CPU/compiler has no AVX-512 BF16")
+        raise RuntimeError("this CPU/compiler has no AVX-512 BF16" + (" or AVX2 + FMA" if hasattr(ext, "isa") else ""))
     return ext
 
 
@@ -164,6 +172,17 @@ class TorchLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
+
+    def weight_tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.weight,)
+
+
+class Fp32Linear:
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight.float()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight).to(x.dtype)
 
     def weight_tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.weight,)
@@ -275,23 +294,40 @@ def resident_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 def available_kernels(weight_dtype: str = "bfloat16") -> dict[str, Callable[[Any], PackedLinear]]:
     """Name -> packer for each kernel that works on this host for bf16 (`torch.Tensor`), int8 or w8a8
-    (`Int8Weight`) weights, in autotune order: oneDNN first (on an AMX host it bounds the large buckets,
-    which lets the slower kernels stop early), pdserve's, torch; w8a8 puts its int8 x int8 kernels
-    ("-a8") before the weight-only ones."""
+    (`Int8Weight`) weights, in autotune order: the library GEMMs first, oneDNN then fp32 (compute-bound
+    kernels: timed first they bound the large buckets, which lets the slower kernels stop early; timed
+    after a kernel that wins the small buckets, they would be the ones given up on before the row counts
+    where they win), pdserve's, torch; w8a8 puts its int8 x int8 kernels
+    ("-a8") before the weight-only ones. oneDNN's bf16 matmul needs AVX-512 (or AVX-NE-CONVERT): without
+    it oneDNN is not a bf16 candidate (packing would raise)."""
     if weight_dtype == "w8a8":
         return {**_w8a8_kernels(), **_int8_kernels()}
     if weight_dtype == "int8":
         return _int8_kernels()
     out: dict[str, Callable[[Any], PackedLinear]] = {}
-    if torch.backends.mkldnn.is_available():
+    if onednn_bf16():
         out["onednn"] = OneDnnLinear
+    out["fp32"] = Fp32Linear
     try:
         _kernel()
         out["pdserve"] = Bf16DotLinear
-    except Exception as e:  # noqa: BLE001 - no compiler or no AVX-512 BF16: the others remain
+    except Exception as e:  # noqa: BLE001 - no compiler, no AVX-512 BF16 and no AVX2: the others remain
         logger.info("pdserve's bf16 linear kernel is unavailable here (%s)", e)
     out["torch"] = TorchLinear
     return out
+
+
+def onednn_bf16() -> bool:
+    """Whether oneDNN runs bf16 matmuls on this CPU (AVX-512 BW/VL/DQ, AVX-NE-CONVERT or AMX)."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def bf16_kernel_isa() -> str:
+    """The instruction set pdserve's bf16 linear kernel runs on here ("" where it does not build)."""
+    try:
+        return str(_kernel().isa())
+    except Exception:  # noqa: BLE001 - no compiler or no usable instruction set
+        return ""
 
 
 def _int8_kernels() -> dict[str, Callable[[Any], PackedLinear]]:
@@ -344,18 +380,22 @@ def cpu_linear_packer(kind: str = "auto") -> Callable[[torch.Tensor], PackedLine
         return None
     kernels = available_kernels()
     onednn = kernels.get("onednn")
+    if kind == "fp32":
+        return kernels["fp32"]
     if kind == "onednn":
         if onednn is None:
-            raise ValueError("this torch build has no oneDNN (mkldnn)")
+            raise ValueError("oneDNN has no bf16 matmul here (no oneDNN in this torch build, or a CPU without "
+                             "AVX-512): use --linear-kernel fp32 or auto")
         return onednn
     if "pdserve" not in kernels:
         if kind == "pdserve":
-            raise ValueError("pdserve's bf16 linear kernel is unavailable here (no compiler or no AVX-512 BF16)")
-        return onednn
+            raise ValueError("pdserve's bf16 linear kernel is unavailable here (no compiler, or neither AVX-512 "
+                             "BF16 nor AVX2 + FMA)")
+        return onednn or kernels["fp32"]
 
     def pack(weight: torch.Tensor) -> PackedLinear:
-        if not _can_pack("pdserve", weight) and onednn is not None:
-            return onednn(weight)
+        if not _can_pack("pdserve", weight):
+            return (onednn or kernels["fp32"])(weight)
         return Bf16DotLinear(weight)
 
     return pack
@@ -494,7 +534,7 @@ def pack_cpu_linears(
             raise ValueError(f"the {kind!r} linear kernel is unavailable here for {weight_dtype} weights; "
                              f"available: {sorted(kernels)}")
         pack = kernels[kind]
-        fallback = kernels.get("onednn", TorchLinear if weight_dtype == "bfloat16" else DequantOneDnnLinear)
+        fallback = kernels.get("onednn", Fp32Linear if weight_dtype == "bfloat16" else DequantOneDnnLinear)
         packed = {op: [pack(w) if _can_pack(kind, w) else fallback(w) for w in ws] for op, ws in weights.items()}
         return LinearPlan(packed, kind, weight_dtype=weight_dtype)
 

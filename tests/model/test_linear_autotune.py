@@ -10,9 +10,11 @@ import torch
 
 from pdserve.model.linear import (
     BucketedLinear,
+    Fp32Linear,
     OneDnnLinear,
     TorchLinear,
     available_kernels,
+    onednn_bf16,
     pack_cpu_linears,
 )
 from tests.support.fake_kernels import FakeClock, timed_kernels
@@ -21,6 +23,9 @@ if not torch.backends.mkldnn.is_available():
     pytest.skip("needs oneDNN (mkldnn) for a second kernel", allow_module_level=True)
 
 BUCKETS = (1, 4, 16, 64)
+# The library GEMM the fake timings call "onednn": oneDNN's bf16 one where the CPU has it, else the fp32 one
+# (a CPU without AVX-512 has no oneDNN bf16 matmul).
+LIBRARY, LIBRARY_NAME = (OneDnnLinear, "onednn") if onednn_bf16() else (Fp32Linear, "fp32")
 
 
 def rand(*shape: int, seed: int) -> torch.Tensor:
@@ -29,7 +34,7 @@ def rand(*shape: int, seed: int) -> torch.Tensor:
 
 def fake_kernels(clock: FakeClock, cost, served: list | None = None):
     """Real kernels whose calls advance the fake clock by `cost(name, rows)` and log who served them."""
-    return timed_kernels({"onednn": OneDnnLinear, "torch": TorchLinear}, clock, cost, served)
+    return timed_kernels({"onednn": LIBRARY, "torch": TorchLinear}, clock, cost, served)
 
 
 def small_rows_to_torch(name: str, rows: int) -> float:
@@ -95,8 +100,8 @@ def test_decision_is_cached_and_reused_without_timing(tmp_path):
 
 
 def test_named_kernel_pins_every_row_count():
-    plan = pack_cpu_linears(weights(), "onednn")
-    assert plan.table is None and all(isinstance(p, OneDnnLinear) for p in plan.packed["qkv"])
+    plan = pack_cpu_linears(weights(), LIBRARY_NAME)
+    assert plan.table is None and all(isinstance(p, LIBRARY) for p in plan.packed["qkv"])
     with pytest.raises(ValueError):
         pack_cpu_linears(weights(), "mkl")
 
@@ -202,3 +207,30 @@ def test_a_kernel_winning_two_separate_runs_of_buckets_is_packed_once():
     lin = plan.packed["qkv"][0]
     assert isinstance(lin, BucketedLinear) and kernel_names(lin) == ["torch", "onednn", "torch"]
     assert lin.kernels[0] is lin.kernels[2]  # one copy of the weights per kernel, however many runs it serves
+
+
+def test_fp32_kernel_is_a_bf16_gemm_on_the_fp32_units():
+    """`--linear-kernel fp32`: float32 copies of the bf16 weights, the output rounded once to bf16; bf16
+    products are exact in fp32, so it agrees with the float32 product of the same bf16 values to bf16's
+    rounding. It is a candidate everywhere (the compute-bound kernel where oneDNN has no bf16 matmul)."""
+    ws = weights()
+    assert "fp32" in available_kernels()
+    plan = pack_cpu_linears(ws, "fp32")
+    assert plan.table is None and all(isinstance(p, Fp32Linear) for p in plan.packed["qkv"])
+    for rows in (1, 5, 70):
+        x = rand(rows, 64, seed=rows)
+        got = plan.packed["head"][0](x)
+        ref = x.float() @ ws["head"][0].float().T
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), ref, rtol=4e-3, atol=1e-3)
+
+
+def test_onednn_is_a_bf16_candidate_only_where_it_has_a_bf16_matmul():
+    """On a CPU without AVX-512 (AMD Zen 2/3) oneDNN refuses to pack a bf16 weight: "auto" must not list it
+    there (the first start crashed on such a host), and naming it must say what to use instead."""
+    if onednn_bf16():
+        assert "onednn" in available_kernels()
+        return
+    assert "onednn" not in available_kernels()
+    with pytest.raises(ValueError, match="fp32"):
+        pack_cpu_linears(weights(), "onednn")

@@ -61,12 +61,13 @@ inline PanelJob panel_job(int64_t i, int64_t M, int64_t n, int64_t panels) {
 
 inline int64_t num_blocks(int64_t M) { return (M + kBlockRows - 1) / kBlockRows; }
 
-inline int64_t num_tiles(int64_t rows) { return (rows + kMaxRows - 1) / kMaxRows; }
+inline int64_t num_tiles(int64_t rows, int64_t max_rows = kMaxRows) { return (rows + max_rows - 1) / max_rows; }
 
-// f(m0, r) for each register tile of a block's rows [first, first + rows): near-equal tiles in order.
+// f(m0, r) for each register tile (of at most `max_rows` rows) of a block's rows [first, first + rows):
+// near-equal tiles in order.
 template <class F>
-inline void for_each_tile(int64_t first, int64_t rows, F&& f) {
-  const int64_t tiles = num_tiles(rows), base = rows / tiles, extra = rows % tiles;
+inline void for_each_tile(int64_t first, int64_t rows, F&& f, int64_t max_rows = kMaxRows) {
+  const int64_t tiles = num_tiles(rows, max_rows), base = rows / tiles, extra = rows % tiles;
   for (int64_t t = 0, m0 = first; t < tiles; ++t) {
     const int64_t r = base + (t < extra ? 1 : 0);
     f(m0, r);
