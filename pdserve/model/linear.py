@@ -220,10 +220,14 @@ class DequantOneDnnLinear:
     def __init__(self, weight: Int8Weight) -> None:
         self.q = weight.q  # no copy
         self.scale = weight.scale
+        # Without a oneDNN bf16 matmul (no AVX-512) torch's bf16 GEMM crawls: widen to fp32 instead.
+        self.wide = torch.bfloat16 if onednn_bf16() else torch.float32
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # q is exact in bf16 (|q| <= 127), so the only roundings are F.linear's output and the scaling.
-        return F.linear(x, self.q.to(x.dtype)).mul_(self.scale)
+        if self.wide == x.dtype:
+            return F.linear(x, self.q.to(x.dtype)).mul_(self.scale)
+        return F.linear(x.to(self.wide), self.q.to(self.wide)).mul_(self.scale).to(x.dtype)
 
     def weight_tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.q, self.scale)
@@ -317,6 +321,7 @@ def available_kernels(weight_dtype: str = "bfloat16") -> dict[str, Callable[[Any
     return out
 
 
+@functools.cache
 def onednn_bf16() -> bool:
     """Whether oneDNN runs bf16 matmuls on this CPU (AVX-512 BW/VL/DQ, AVX-NE-CONVERT or AMX)."""
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

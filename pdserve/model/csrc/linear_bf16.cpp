@@ -73,6 +73,7 @@ namespace {
 constexpr int64_t kMaxRowsAvx2 = 3;    // streaming tile: 12 accumulators + 2 weight vectors + 2 broadcasts
 constexpr int64_t kMaxRowsWide = 6;    // widened tile: 6 rows x 16 columns = 12 accumulators (as BLIS's 6x16)
 constexpr int64_t kWidenFrom = 16;     // a block of at least this many rows widens its panel first
+constexpr int64_t kL2Budget = 384 << 10;  // bytes of L2 for a block's x and its widened panel
 
 // 8 fp32 -> 8 bf16 bit patterns, rounded to nearest even.
 inline __m128i to_bf16x8(__m256 v) {
@@ -206,10 +207,14 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
   const int64_t xs = xf.stride(0);
   const __m256i* w = reinterpret_cast<const __m256i*>(packed.data_ptr<at::BFloat16>());
   at::BFloat16* o = out.data_ptr<at::BFloat16>();
-  at::parallel_for(0, num_blocks(M) * panels, 1, [&](int64_t i0, int64_t i1) {
+  // Rows per block: the block's fp32 x and the widened panel (K x 128 bytes) together stay in a 512 KB L2.
+  const int64_t K = 2 * KP;
+  const int64_t block = std::clamp<int64_t>(((kL2Budget - K * 128) / (K * 4)) / kMaxRowsWide * kMaxRowsWide,
+                                            4 * kMaxRowsWide, kBlockRows);
+  at::parallel_for(0, num_blocks(M, block) * panels, 1, [&](int64_t i0, int64_t i1) {
     std::unique_ptr<float, decltype(&std::free)> wide(nullptr, &std::free);  // this thread's widened panel
     for (int64_t i = i0; i < i1; ++i) {
-      const PanelJob job = panel_job(i, M, n, panels);
+      const PanelJob job = panel_job(i, M, n, panels, block);
       const __m256i* wp = w + job.panel * KP * 4;
       at::BFloat16* op = o + job.panel * kPanel;
       const int64_t cols = std::min(kPanel, n - job.panel * kPanel);
@@ -226,7 +231,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
       for (int half = 0; half < 2 && 16 * half < cols; ++half)
         for_each_tile(job.first, job.rows, [&](int64_t m0, int64_t r) {
           with_rows<kMaxRowsWide>(r, [&](auto R) {
-            tile_wide<decltype(R)::value>(xp + m0 * xs, xs, wide.get(), 2 * KP, half, op + m0 * n, n, cols);
+            tile_wide<decltype(R)::value>(xp + m0 * xs, xs, wide.get(), K, half, op + m0 * n, n, cols);
           });
         }, kMaxRowsWide);
     }

@@ -51,15 +51,15 @@ struct PanelJob {
   uint16_t keep0, keep1;
 };
 
-inline PanelJob panel_job(int64_t i, int64_t M, int64_t n, int64_t panels) {
-  const int64_t b = i / panels, p = i % panels, first = b * kBlockRows;
+inline PanelJob panel_job(int64_t i, int64_t M, int64_t n, int64_t panels, int64_t block_rows = kBlockRows) {
+  const int64_t b = i / panels, p = i % panels, first = b * block_rows;
   const int64_t cols = std::min(kPanel, n - p * kPanel);
   const auto k0 = static_cast<uint16_t>((1u << std::min<int64_t>(cols, 16)) - 1u);
   const auto k1 = static_cast<uint16_t>(cols > 16 ? (1u << (cols - 16)) - 1u : 0u);
-  return {first, std::min(kBlockRows, M - first), p, k0, k1};
+  return {first, std::min(block_rows, M - first), p, k0, k1};
 }
 
-inline int64_t num_blocks(int64_t M) { return (M + kBlockRows - 1) / kBlockRows; }
+inline int64_t num_blocks(int64_t M, int64_t block_rows = kBlockRows) { return (M + block_rows - 1) / block_rows; }
 
 inline int64_t num_tiles(int64_t rows, int64_t max_rows = kMaxRows) { return (rows + max_rows - 1) / max_rows; }
 
