@@ -14,6 +14,8 @@ pytestmark = pytest.mark.real_model
 
 # pdserve's int8 kernel needs AVX-512 BF16; elsewhere (AMD Zen 3) ATen's int8-weight kernel, also pinned.
 INT8_KERNEL = "pdserve" if "pdserve" in available_kernels("int8") else "torch"
+# oneDNN's int8 x int8 kernel needs VNNI; elsewhere torch's (`_int_mm`).
+A8_KERNEL = "onednn" if "onednn-a8" in available_kernels("w8a8") else "torch"
 
 PROMPTS = [
     "What is the capital of France?",
@@ -49,12 +51,12 @@ def test_int8_greedy_follows_bf16():
 
 
 def test_w8a8_greedy_follows_bf16():
-    """`--weight-dtype w8a8` with oneDNN's int8 x int8 kernel pinned at every row count (so activations
+    """`--weight-dtype w8a8` with an int8 x int8 kernel (oneDNN's, or torch's without VNNI) pinned at every row count (so activations
     are quantized everywhere, the worst case for accuracy): replies stay sane and follow bf16 at first."""
     params = SamplingParams(temperature=0, max_tokens=32)
     msgs = [[{"role": "user", "content": p}] for p in PROMPTS]
     outs = {}
-    for wd, kernel in (("bfloat16", "pdserve"), ("w8a8", "onednn")):
+    for wd, kernel in (("bfloat16", "pdserve"), ("w8a8", A8_KERNEL)):
         # Attention pinned too (the C++ kernels, nothing timed): the first reply token of the France prompt
         # is a near-tie under w8a8, and which prefill kernel the host's autotune picks (the AMX one sums in
         # another order) flips it: "The capital of France is Paris" with the AVX-512 kernel, "L'Etoile, la

@@ -505,9 +505,12 @@ def test_bf16_engine_runs_the_avx512_int4_kernels():
     start log's paths), chunked prompts included, and its greedy tokens mostly equal the torch
     reference's (bf16 sums in another order may flip a near tie of the random model)."""
     from pdserve import LLM
+    from pdserve.attention.cpu_paged import load_kernel
     from pdserve.model.llama import random_weights
     from tests.model.test_kernel_paths import qwen_like
 
+    if not load_kernel().decode_int4_fast_path(True, 9, 3, 64, 16):
+        pytest.skip("no AVX-512 BF16 here: the int4 kernels' portable paths are tested above")
     cfg = qwen_like(64)
     weights = random_weights(cfg)
     prompts = random_prompts(4, 30, 70, seed=3, vocab=cfg.vocab_size)

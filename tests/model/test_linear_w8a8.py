@@ -210,7 +210,10 @@ def test_w8a8_rows_do_not_depend_on_the_batch(name):
 
 def test_batch_invariant_w8a8_pins_one_row_independent_kernel():
     plan = pack_cpu_linears(w8a8_weights(), "auto", batch_invariant=True, buckets=(1, 16), weight_dtype="w8a8")
-    assert plan.table is not None and plan.table.pinned in ("pdserve", *A8)
+    # several row-independent candidates: measured, then pinned; only one here (no AVX-512 for pdserve's, no
+    # VNNI for oneDNN's): pinned by its own name without measuring
+    pinned = plan.table.pinned if plan.table is not None else plan.kind
+    assert pinned in ("pdserve", *A8)
     assert len({p.kernel if hasattr(p, "kernel") else type(p) for p in plan.packed["qkv"]}) == 1
 
 
