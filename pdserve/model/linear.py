@@ -349,8 +349,8 @@ def _int8_kernels() -> dict[str, Callable[[Any], PackedLinear]]:
 
 def _w8a8_kernels() -> dict[str, Callable[[Any], PackedLinear]]:
     out: dict[str, Callable[[Any], PackedLinear]] = {}
-    # Without VNNI (AVX2 only: AMD Zen 3) oneDNN's int8 GEMM sums byte pairs into int16 with saturation
-    # (vpmaddubsw), so its int32 sums are not exact: measured wrong by more than bf16's rounding there.
+    # Without VNNI (AVX2 only: AMD Zen 3) oneDNN's int8 GEMM was measured wrong by more than bf16's
+    # rounding (not exact int32 sums; likely its int16 pair sums saturating, as vpmaddubsw's do).
     vnni = bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(autotune.cpu_info()[1]))
     if vnni and torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise"):
         out["onednn-a8"] = OneDnnW8A8Linear
