@@ -86,7 +86,7 @@ LINEAR_KINDS = ("auto", "pdserve", "onednn", "fp32", "torch")
 ROW_INDEPENDENT = ("pdserve", "onednn-a8", "torch-a8")
 
 
-def _build(name: str, source: str) -> Any:
+def _build(name: str, source: str, needs: str) -> Any:
     from pdserve.extensions import load_extension
 
     ext = load_extension(
@@ -96,18 +96,18 @@ def _build(name: str, source: str) -> Any:
         extra_ldflags=["-fopenmp"],
     )
     if not ext.available():
-        raise RuntimeError("this CPU/compiler has no AVX-512 BF16" + (" or AVX2 + FMA" if hasattr(ext, "isa") else ""))
+        raise RuntimeError(f"this CPU/compiler has no {needs}")
     return ext
 
 
 @functools.cache
 def _kernel() -> Any:
-    return _build("pdserve_linear_bf16", _SOURCE)
+    return _build("pdserve_linear_bf16", _SOURCE, "AVX-512 BF16 or AVX2 + FMA")
 
 
 @functools.cache
 def _kernel_int8() -> Any:
-    return _build("pdserve_linear_int8", _SOURCE_INT8)
+    return _build("pdserve_linear_int8", _SOURCE_INT8, "AVX-512 BF16")
 
 
 @dataclass(frozen=True, slots=True)
