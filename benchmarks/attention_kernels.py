@@ -6,12 +6,12 @@ read from the cache and the GB/s that makes.
         [--heads 9 --kv-heads 3 --head-dim 64] [--json results/attention_kernels.json]
 
 Decode is bandwidth-bound: a step reads every running sequence's K and V once. A quantized row is D bytes
-plus 4 bytes of row parameters instead of 2D bytes (0.53x at head_dim 64), so the int8/fp8 columns should approach
-that ratio of the bf16 time where the cache comes from DRAM. To keep the measurement out of the caches,
-each point cycles through enough layer caches (blocks scattered at random, as a long-running server's
-are) that one pass reads at least `--min-bytes` (capped at `--max-layers`); the time is one layer's
-call, the median over `--steps` passes (`--stat best`: the fastest pass, which drops the passes another
-process interrupted on a busy host), and "step" multiplies it by `--model-layers` (SmolLM2: 30).
+plus 4 bytes of row parameters instead of 2D bytes (0.53x at head_dim 64), so the int8/fp8 columns should
+approach that ratio of the bf16 time where the cache comes from DRAM. To keep the measurement out of the
+caches, each point cycles through enough layer caches (blocks scattered at random, as a long-running
+server's are) that one pass reads at least `--min-bytes` (capped at `--max-layers`); the time is one
+layer's call, the median over `--steps` passes (`--stat best`: the fastest pass, which drops the passes
+another process interrupted on a busy host), and "step" multiplies it by `--model-layers` (SmolLM2: 30).
 The figures depend on the host and on what else runs on it: measure on a quiet machine.
 """
 

@@ -33,7 +33,8 @@ def _paged_decode(
     kvh, _, block_size, _ = k_cache.shape
     nb = table.shape[1]
     if k_scale is not None and v_scale is not None:
-        k = dequantize(k_cache[:, table], k_scale[:, table], torch.float32)  # [KVH, B, nb, bs, D], fused below
+        # [KVH, B, nb, bs, D], fused into the loops below
+        k = dequantize(k_cache[:, table], k_scale[:, table], torch.float32)
         v = dequantize(v_cache[:, table], v_scale[:, table], torch.float32)
     else:
         k = k_cache[:, table].float()

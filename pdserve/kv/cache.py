@@ -8,7 +8,8 @@ token and kv head, indexed exactly like `data` without its last dimension, so ev
 the same index to both. fp8's slot is its float32 scale; int8's holds a float16 (scale, zero) pair in the
 same bytes, which layers see as `[..., block_size, 2]` float16 views (`_row_params`): what moves blocks
 (swap, transfer payloads, prefix sharing) moves bytes and never learns which. Layers see `LayerCache`
-views (`[num_kv_heads, num_blocks, block_size, head_dim]`); a token's slot is `block_id * block_size + offset`.
+views (`[num_kv_heads, num_blocks, block_size, head_dim]`); a token's slot is
+`block_id * block_size + offset`.
 
 Heads come first so that gathering a batch's blocks yields `[kv_heads, batch, context, head_dim]`, which
 batched matmuls consume without another copy (measured: the copy cost as much as the attention).
@@ -145,9 +146,10 @@ class KVLayout:
 
     # A transfer's payload for one layer and n tokens: `[2, kv_heads, n, head_dim]` in the storage dtype,
     # or for int8/fp8 `[2, kv_heads, n, token_row_bytes]` uint8 (each row: the values' bytes, then its
-    # 4-byte parameter slot's), so transports move one tensor and never learn about scales. int4 moves what it stores,
-    # which is not a row per token: `[2, kv_heads, chunk_len(n)]` uint8 (`gather_tokens` says what the
-    # bytes are). A transport only slices dim 2, by `chunk_len`, and counts tokens by `chunk_num_tokens`.
+    # 4-byte parameter slot's), so transports move one tensor and never learn about scales. int4 moves
+    # what it stores, which is not a row per token: `[2, kv_heads, chunk_len(n)]` uint8 (`gather_tokens`
+    # says what the bytes are). A transport only slices dim 2, by `chunk_len`, and counts tokens by
+    # `chunk_num_tokens`.
     @property
     def chunk_dtype(self) -> torch.dtype:
         return torch.uint8 if self.quantized or self.is_int4 else self.dtype
@@ -342,13 +344,10 @@ class KVCache:
             self._init_int4(num_residual_slots, num_host_blocks)
             self.layers = [self._int4_layer(i) for i in range(lay.num_layers)]
             return
-        scales, kv_dtype = self.scales, lay.kv_dtype
-        self.layers: list[LayerCache] = [
-            LayerCache(self.data[i, 0], self.data[i, 1], *(
-                (_row_params(scales[i, 0], kv_dtype), _row_params(scales[i, 1], kv_dtype)) if scales is not None else ()
-            ))
-            for i in range(lay.num_layers)
-        ]
+        scales, n = self.scales, lay.num_layers
+        params = [_row_params(scales[i], lay.kv_dtype) if scales is not None else () for i in range(n)]
+        self.layers: list[LayerCache] = [LayerCache(self.data[i, 0], self.data[i, 1], *params[i])
+                                         for i in range(n)]
 
     @property
     def is_int4(self) -> bool:
@@ -636,10 +635,12 @@ class KVCache:
                 _bits(host_t).index_copy_(3, dst, _bits(gathered.cpu()))
 
 
-def _row_params(slots: torch.Tensor, kv_dtype: str) -> torch.Tensor:
-    """A layer's per-row 4-byte slots `[..., block_size]` float32 as kv/quant.py's qparams, a view: fp8's
-    scales as they are, int8's as float16 (scale, zero) pairs `[..., block_size, 2]`."""
-    return slots.view(torch.float16).unflatten(-1, (-1, 2)) if kv_dtype == "int8" else slots
+def _row_params(slots: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's per-row 4-byte slots `[2 (K, V), ..., block_size]` float32 as kv/quant.py's qparams for K
+    and V, views: fp8's scales as they are, int8's as float16 (scale, zero) pairs `[..., block_size, 2]`."""
+    if kv_dtype == "int8":
+        slots = slots.view(torch.float16).unflatten(-1, (-1, 2))
+    return slots[0], slots[1]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

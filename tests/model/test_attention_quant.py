@@ -165,7 +165,8 @@ def test_every_code_dequantizes_exactly(cpu_paged, kv_dtype, shape):
     v[:, :, 0] = rows.view(n, D)
     if dtype == torch.int8:
         v_params = torch.full((KVH, n, bs, 2), float("nan"), dtype=torch.float16)
-        v_params[:, :, 0] = torch.tensor([[0.37, -1.5], [1.9e-3, 3e-3]], dtype=torch.float16)[torch.arange(n) % 2]
+        pairs = torch.tensor([[0.37, -1.5], [1.9e-3, 3e-3]], dtype=torch.float16)
+        v_params[:, :, 0] = pairs[torch.arange(n) % 2]
         k_params = torch.tensor([1.0, 0.0], dtype=torch.float16).expand(KVH, n, bs, 2).contiguous()
         s, z = v_params[:, :, 0].float().unbind(-1)
         expect = (v[:, :, 0].float() + 128) * s[..., None] + z[..., None]
@@ -371,7 +372,7 @@ def test_write_kv_quantizes_like_the_reference(cpu_paged, kv_dtype, in_dtype, he
         ref, ref_scale = quantize(x.transpose(0, 1), kv_dtype)  # [KVH, T, D]
         got = stored.view(KVH, -1, D)[:, slots]
         assert torch.equal(got.view(torch.int8), ref.view(torch.int8)), "codes differ from kv/quant.py"
-        assert torch.equal(scale.flatten(1, 2)[:, slots], ref_scale), "scales (int8: and zeros) differ from kv/quant.py"
+        assert torch.equal(scale.flatten(1, 2)[:, slots], ref_scale), "parameters differ from kv/quant.py"
         untouched = torch.ones(nblocks * bs, dtype=torch.bool)
         untouched[slots] = False
         assert torch.equal(stored.view(KVH, -1, D)[:, untouched].view(torch.int8), old.view(KVH, -1, D)[:, untouched].view(torch.int8))

@@ -219,7 +219,8 @@ def test_int8_layers_read_the_scales_slots_as_scale_zero_pairs():
     layout = KVLayout(TINY.num_layers, TINY.num_kv_heads, TINY.head_dim, torch.int8, 4)
     cache = KVCache(layout, num_blocks=8, device=torch.device("cpu"))
     layer = cache.layers[1]
-    assert layer.k_scale is not None and layer.k_scale.shape == (2, 8, 4, 2) and layer.k_scale.dtype == torch.float16
+    assert layer.k_scale is not None and layer.k_scale.dtype == torch.float16
+    assert layer.k_scale.shape == (2, 8, 4, 2)
     k = torch.rand(3, 2, 16) + 5  # all positive: the zero is about 5
     write(layer, k, -k, torch.tensor([0, 9, 31]))
     _, want = quantize(k.transpose(0, 1), "int8")
