@@ -6,12 +6,12 @@ read from the cache and the GB/s that makes.
         [--heads 9 --kv-heads 3 --head-dim 64] [--json results/attention_kernels.json]
 
 Decode is bandwidth-bound: a step reads every running sequence's K and V once. A quantized row is D bytes
-plus a float32 scale instead of 2D bytes (0.53x at head_dim 64), so the int8/fp8 columns should approach
-that ratio of the bf16 time where the cache comes from DRAM. To keep the measurement out of the caches,
-each point cycles through enough layer caches (blocks scattered at random, as a long-running server's
-are) that one pass reads at least `--min-bytes` (capped at `--max-layers`); the time is one layer's
-call, the median over `--steps` passes (`--stat best`: the fastest pass, which drops the passes another
-process interrupted on a busy host), and "step" multiplies it by `--model-layers` (SmolLM2: 30).
+plus 4 bytes of row parameters instead of 2D bytes (0.53x at head_dim 64), so the int8/fp8 columns should
+approach that ratio of the bf16 time where the cache comes from DRAM. To keep the measurement out of the
+caches, each point cycles through enough layer caches (blocks scattered at random, as a long-running
+server's are) that one pass reads at least `--min-bytes` (capped at `--max-layers`); the time is one
+layer's call, the median over `--steps` passes (`--stat best`: the fastest pass, which drops the passes
+another process interrupted on a busy host), and "step" multiplies it by `--model-layers` (SmolLM2: 30).
 The figures depend on the host and on what else runs on it: measure on a quiet machine.
 """
 
@@ -42,12 +42,15 @@ def random_cache(kv_dtype: str, kvh: int, num_blocks: int, block_size: int, head
         return LayerCache(torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16())
     codes = [torch.randint(-126, 127, shape, dtype=torch.int8) for _ in range(2)]  # no 0x7f / 0xff (fp8 NaN)
     k, v = (c.view(KV_DTYPES[kv_dtype]) for c in codes)
-    unit = 2.5 / (127.0 if kv_dtype == "int8" else 448.0)  # the largest code is 2.5
+    if kv_dtype == "int8":  # float16 (scale, zero) per row: values in [-2.5, 2.5]
+        params = torch.tensor([5.0 / 255.0, -2.5]).half().expand(*shape[:3], 2).contiguous()
+        return LayerCache(k, v, params, params.clone())
+    unit = 2.5 / 448.0  # the largest code is 2.5
     return LayerCache(k, v, torch.full(shape[:3], unit), torch.full(shape[:3], unit))
 
 
 def bytes_per_call(batch: int, context: int, kvh: int, heads: int, head_dim: int, kv_dtype: str) -> int:
-    """What one layer's decode reads and writes: every context row of K and V (with its scale when
+    """What one layer's decode reads and writes: every context row of K and V (with its parameters when
     quantized), the queries and the output."""
     row = head_dim * (2 if kv_dtype == "bf16" else 1) + (0 if kv_dtype == "bf16" else 4)
     return 2 * batch * context * kvh * row + 2 * batch * heads * head_dim * 2

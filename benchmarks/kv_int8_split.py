@@ -1,18 +1,21 @@
-"""Where int8 KV's error comes from: keys or values, and whether an asymmetric int8 row of the same bytes
-would do better (docs/accuracy.md, "Where int8 KV's KL comes from").
+"""Where int8 KV's error comes from: keys or values, and how the int8 row format compares with others of
+the same bytes (docs/accuracy.md, "Where int8 KV's KL comes from").
 
     .venv/bin/python benchmarks/kv_int8_split.py [--model qwen2.5-coder-0.5b-instruct] [--num-prompts 10]
 
 Every engine runs the torch reference attention in bf16. `kv-int8` stores an int8 cache (kv/quant.py:
-symmetric, one float32 scale per token and kv head). The others keep a bf16 cache and round K and/or
-V on their way into attention (`RoundedKV`, an attention backend of this script's own, so the prompt's
-fresh K/V and every later read see the rounded values, as with an int8 cache):
+asymmetric, a float16 scale and zero per token and kv head). The others keep a bf16 cache and round K
+and/or V on their way into attention (`RoundedKV`, an attention backend of this script's own, so the
+prompt's fresh K/V and every later read see the rounded values, as with an int8 cache):
 
-- `k-int8` / `v-int8`: only K / only V through kv/quant.py's int8 (the same rows `kv-int8` stores: with
-  both, `kv-int8-rounded` is bit for bit `kv-int8`, which checks the emulation);
-- `kv-int8-asym`: asymmetric int8, q = round((x - min) / scale) in [0, 255], with a float16 scale and
-  a float16 zero: the same 4 bytes per row as the float32 scale, 255 steps over [min, max] instead of
-  [-max|x|, max|x|].
+- `k-int8` / `v-int8`: only K / only V through kv/quant.py's int8 (the rows `kv-int8` stores);
+- `kv-int8-asym`: this script's own asymmetric int8, the measurement the cache's format was adopted from:
+  q = round((x - min) / scale) in [0, 255], with a float16 scale and a float16 zero (the same 4 bytes per
+  row as a float32 scale, 255 steps over [min, max] instead of [-max|x|, max|x|]). Bit for bit
+  `kv-int8`, which checks both the emulation and the cache: the script says whether every position's KL
+  is equal;
+- `kv-int8-sym`: the symmetric int8 the cache stored before (one float32 scale = max|x| / 127 per row);
+- `kv-int8-g32`: symmetric with a float16 scale per 32 channels.
 
 The figures are teacher-forced as in benchmarks/accuracy.py (same conversations, same chunking):
 mean and p99 KL(bf16 || option), top-1 agreement, and the mean KL by context length.
@@ -40,7 +43,16 @@ Rounding = Callable[[torch.Tensor], torch.Tensor]
 
 
 def int8_symmetric(x: torch.Tensor) -> torch.Tensor:
-    """x [..., D] as an int8 cache stores and reads it (kv/quant.py), in x's dtype."""
+    """x [..., D] through symmetric int8 with a float32 scale per row (max|x| / 127, round to nearest), the
+    int8 cache's format before the asymmetric one, in x's dtype."""
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True) / 127.0
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    return ((xf * inv).round_().clamp_(-127, 127) * scale).to(x.dtype)
+
+
+def int8_cache(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] as the int8 cache stores and reads it (kv/quant.py), in x's dtype."""
     return dequantize(*quantize(x, "int8"), x.dtype)
 
 
@@ -76,10 +88,10 @@ class RoundedKV(TorchAttention):
 
 
 ROUNDED: dict[str, tuple[Rounding | None, Rounding | None]] = {
-    "kv-int8-rounded": (int8_symmetric, int8_symmetric),
-    "k-int8": (int8_symmetric, None),
-    "v-int8": (None, int8_symmetric),
+    "k-int8": (int8_cache, None),
+    "v-int8": (None, int8_cache),
     "kv-int8-asym": (int8_asymmetric, int8_asymmetric),
+    "kv-int8-sym": (int8_symmetric, int8_symmetric),
     "kv-int8-g32": (int8_group32, int8_group32),
 }
 
@@ -117,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         lo, hi = t["mean_kl_ci95"]  # type: ignore[misc]
         print(f"{name:<16} {t['mean_kl']:>9.2e} [{lo:.2e}, {hi:.2e}] [{diff[0]:+.2e}, {diff[1]:+.2e}] "
               f"{t['p99_kl']:>9.2e} {t['top1_agreement']:>7.2%}  {by_ctx}")
+    cache_kl, asym_kl = (torch.cat(stats[n].kl) for n in ("kv-int8", "kv-int8-asym"))
+    same = torch.equal(cache_kl, asym_kl)
+    print(f"kv-int8-asym == kv-int8 at every position (bit for bit): {'yes' if same else 'NO'}"
+          + ("" if same else f" (max |KL difference| {(cache_kl - asym_kl).abs().max().item():.2e})"))
     return 0
 
 

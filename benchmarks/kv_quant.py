@@ -79,12 +79,16 @@ def fill_synthetic(cache: KVCache) -> None:
             cache.k_qparams[layer].uniform_(0.001, 0.02, generator=g)
             cache.v_qparams[layer].uniform_(0.001, 0.02, generator=g)
         elif d.dtype == torch.int8:
-            d.random_(-127, 128, generator=g)
+            d.random_(-128, 128, generator=g)
         elif d.dtype == torch.float8_e4m3fn:
             d.view(torch.uint8).random_(0, 0x70, generator=g)  # finite positive e4m3 patterns only
         else:
             d.normal_(0, 1, generator=g)
-        if cache.scales is not None:
+        if cache.scales is not None and d.dtype == torch.int8:  # float16 (scale, zero) pairs in the 4 bytes
+            for params in (cache.layers[layer].k_scale, cache.layers[layer].v_scale):
+                params[..., 0].uniform_(0.001, 0.02, generator=g)
+                params[..., 1].uniform_(-2.5, -0.1, generator=g)
+        elif cache.scales is not None:
             cache.scales[layer].uniform_(0.001, 0.02, generator=g)
 
 

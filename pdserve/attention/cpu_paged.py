@@ -16,12 +16,14 @@ and a lane-wise online softmax (measured here, one 9-head prompt: 5.5-6.4x torch
 128-1,000 tokens, 3.2-3.9x the previous key-per-lane version). Other shapes and dtypes use the
 reference SDPA path.
 
-A quantized cache (`--kv-cache-dtype int8 | fp8_e4m3`, kv/quant.py: one float32 scale per token and kv
-head) goes through the same kernels, which read the one-byte values in place and dequantize in
-registers (int8 and e4m3 are exact in bf16, so the dot products stay BF16 ones, except decode's int8 q.k:
-AVX512-VNNI integer dot products against the query rounded to int16; the K scale multiplies each score,
-the V scale is folded into the probabilities): a decode step reads D + 4 bytes per row instead of 2D
-(0.53x at head_dim 64). `write_kv` quantizes the new rows on the way, bit for bit as kv/quant.py does.
+A quantized cache (`--kv-cache-dtype int8 | fp8_e4m3`, kv/quant.py: 4 bytes of parameters per token and
+kv head, fp8's float32 scale or int8's float16 scale and zero) goes through the same kernels, which read
+the one-byte values in place and dequantize in registers (int8 and e4m3 are exact in bf16, so the dot
+products stay BF16 ones, except decode's int8 q.k: AVX512-VNNI integer dot products against the query
+rounded to int16; the K scale multiplies each score, the V scale is folded into the probabilities, and
+int8's zero adds its row's offset times the query's sum to each score and sum_t p_t m_t to each output):
+a decode step reads D + 4 bytes per row instead of 2D (0.53x at head_dim 64). `write_kv` quantizes the
+new rows on the way, bit for bit as kv/quant.py does.
 The prefill kernel reads every token of a chunk back from the cache, so a fresh prompt attends to its own
 quantized K/V as later decodes will; where it has no fast path the reference's prefill runs (which must
 then dequantize the cache itself).

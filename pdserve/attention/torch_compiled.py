@@ -14,6 +14,7 @@ import torch
 from pdserve.attention.base import DecodeGroup
 from pdserve.attention.torch_ref import TorchAttention
 from pdserve.kv.cache import LayerCache
+from pdserve.kv.quant import dequantize
 
 
 def _paged_decode(
@@ -26,16 +27,18 @@ def _paged_decode(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [B, H, D]; caches [KVH, blocks, block_size, D] (int8 / fp8 with scales [KVH, blocks, block_size]
-    multiplied in as they are read); table [B, nb]; context_lens [B] -> [B, H, D]."""
+    """q [B, H, D]; caches [KVH, blocks, block_size, D] (int8 / fp8 with their row parameters, kv/quant.py's
+    qparams, applied as they are read); table [B, nb]; context_lens [B] -> [B, H, D]."""
     b, h, d = q.shape
     kvh, _, block_size, _ = k_cache.shape
     nb = table.shape[1]
-    k = k_cache[:, table].float()  # [KVH, B, nb, bs, D], fused into the loops below
-    v = v_cache[:, table].float()
     if k_scale is not None and v_scale is not None:
-        k = k * k_scale[:, table].unsqueeze(-1)
-        v = v * v_scale[:, table].unsqueeze(-1)
+        # [KVH, B, nb, bs, D], fused into the loops below
+        k = dequantize(k_cache[:, table], k_scale[:, table], torch.float32)
+        v = dequantize(v_cache[:, table], v_scale[:, table], torch.float32)
+    else:
+        k = k_cache[:, table].float()
+        v = v_cache[:, table].float()
     qg = q.view(b, kvh, h // kvh, d).transpose(0, 1).float()  # [KVH, B, G, D]
     scores = (qg[:, :, :, None, None, :] * k[:, :, None]).sum(-1) * scale  # [KVH, B, G, nb, bs]
     pos = torch.arange(nb * block_size, device=q.device).view(nb, block_size)
@@ -54,7 +57,7 @@ class CompiledTorchAttention(TorchAttention):
         self._decode = torch.compile(_paged_decode, dynamic=True)
 
     def supports_kv_dtype(self, kv_dtype: str) -> bool:
-        """Not int4: its compiled decode reads per-token-scaled rows only (the reference reads int4)."""
+        """Not int4: its compiled decode reads per-token rows only (the reference reads int4)."""
         return kv_dtype != "int4"
 
     def warmup(self, cache: LayerCache, num_heads: int) -> None:

@@ -3,9 +3,12 @@
 One allocation for all layers, `data` `[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]`
 in the storage dtype, so moving a request's blocks (transfer, swap to the host tier) is one gather per
 block list. A quantized cache (`--kv-cache-dtype int8 | fp8_e4m3`, kv/quant.py) adds `scales`
-`[num_layers, 2, num_kv_heads, num_blocks, block_size]` float32: one scale per token and kv head, indexed
-exactly like `data` without its last dimension, so every block move applies the same index to both.
-Layers see `LayerCache` views (`[num_kv_heads, num_blocks, block_size, head_dim]`); a token's slot is
+`[num_layers, 2, num_kv_heads, num_blocks, block_size]` float32: one 4-byte slot of row parameters per
+token and kv head, indexed exactly like `data` without its last dimension, so every block move applies
+the same index to both. fp8's slot is its float32 scale; int8's holds a float16 (scale, zero) pair in the
+same bytes, which layers see as `[..., block_size, 2]` float16 views (`_row_params`): what moves blocks
+(swap, transfer payloads, prefix sharing) moves bytes and never learns which. Layers see `LayerCache`
+views (`[num_kv_heads, num_blocks, block_size, head_dim]`); a token's slot is
 `block_id * block_size + offset`.
 
 Heads come first so that gathering a batch's blocks yields `[kv_heads, batch, context, head_dim]`, which
@@ -37,7 +40,7 @@ import torch
 from pdserve.memory import zeros_huge_pages
 from pdserve.config import ModelConfig
 from pdserve.kv import int4
-from pdserve.kv.quant import QUANT_DTYPES, dequantize, quantize
+from pdserve.kv.quant import FORMATS, QUANT_DTYPES, dequantize, quantize
 
 # `--kv-cache-dtype` names of the unquantized storage dtypes ("auto" resolves to the model's dtype).
 _PLAIN_DTYPES: dict[str, torch.dtype] = {
@@ -45,7 +48,7 @@ _PLAIN_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "float32": torch.float32,
 }
-_SCALE_BYTES = 4  # one float32 per token and kv head
+_SCALE_BYTES = 4  # per token and kv head: fp8's float32 scale, int8's float16 scale and zero
 
 
 def storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -53,7 +56,7 @@ def storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     if kv_cache_dtype == "auto":
         return model_dtype
     if kv_cache_dtype in QUANT_DTYPES:
-        return QUANT_DTYPES[kv_cache_dtype][0]
+        return QUANT_DTYPES[kv_cache_dtype]
     if kv_cache_dtype == "int4":
         return int4.STORAGE_DTYPE
     return _PLAIN_DTYPES[kv_cache_dtype]
@@ -61,7 +64,7 @@ def storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
 
 def kv_dtype_name(dtype: torch.dtype) -> str:
     """The `--kv-cache-dtype` name of a storage dtype (the inverse of `storage_dtype`)."""
-    for name, (quant_dtype, _) in QUANT_DTYPES.items():
+    for name, quant_dtype in QUANT_DTYPES.items():
         if quant_dtype == dtype:
             return name
     if dtype == int4.STORAGE_DTYPE:
@@ -72,9 +75,10 @@ def kv_dtype_name(dtype: torch.dtype) -> str:
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     """How K/V sit in memory: what a cache allocates and what both ends of a transfer must agree on.
-    `dtype` is the storage dtype; the kv dtype name and the scale layout follow from it (int8 and fp8
-    carry one float32 scale per token and kv head, int4 float16 scales and zeros per key channel and per
-    value token, the others none). `residual_dtype`: what int4's open blocks are kept in (the model's)."""
+    `dtype` is the storage dtype; the kv dtype name and the scale layout follow from it (int8 carries a
+    float16 scale and zero per token and kv head, fp8 a float32 scale, both in 4 bytes; int4 float16
+    scales and zeros per key channel and per value token; the others none). `residual_dtype`: what
+    int4's open blocks are kept in (the model's)."""
 
     num_layers: int
     num_kv_heads: int
@@ -106,11 +110,14 @@ class KVLayout:
 
     @property
     def scales(self) -> str:
-        """The scale layout: "per-token-head" (float32, one per token and kv head), int4's
+        """The scale layout: "per-token-head" (fp8: a float32 scale per token and kv head), int8's
+        "per-token-head-zero" (a float16 scale and zero per token and kv head), int4's
         "per-channel-keys/per-token-values" (float16 scale and zero) or "none"."""
         if self.is_int4:
             return "per-channel-keys/per-token-values"
-        return "per-token-head" if self.quantized else "none"
+        if not self.quantized:
+            return "none"
+        return "per-token-head-zero" if self.kv_dtype == "int8" else "per-token-head"
 
     @property
     def token_row_bytes(self) -> int:
@@ -138,10 +145,11 @@ class KVLayout:
         return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * self.residual_dtype.itemsize
 
     # A transfer's payload for one layer and n tokens: `[2, kv_heads, n, head_dim]` in the storage dtype,
-    # or for int8/fp8 `[2, kv_heads, n, token_row_bytes]` uint8 (each row: the values' bytes, then the
-    # scale's), so transports move one tensor and never learn about scales. int4 moves what it stores,
-    # which is not a row per token: `[2, kv_heads, chunk_len(n)]` uint8 (`gather_tokens` says what the
-    # bytes are). A transport only slices dim 2, by `chunk_len`, and counts tokens by `chunk_num_tokens`.
+    # or for int8/fp8 `[2, kv_heads, n, token_row_bytes]` uint8 (each row: the values' bytes, then its
+    # 4-byte parameter slot's), so transports move one tensor and never learn about scales. int4 moves
+    # what it stores, which is not a row per token: `[2, kv_heads, chunk_len(n)]` uint8 (`gather_tokens`
+    # says what the bytes are). A transport only slices dim 2, by `chunk_len`, and counts tokens by
+    # `chunk_num_tokens`.
     @property
     def chunk_dtype(self) -> torch.dtype:
         return torch.uint8 if self.quantized or self.is_int4 else self.dtype
@@ -184,8 +192,10 @@ class KVLayout:
 
     def key(self) -> str:
         """A compact fingerprint for the transfer handshake: equal keys, compatible caches (int4: its
-        open blocks travel unquantized, so the residual dtype is part of it)."""
+        open blocks travel unquantized, so the residual dtype is part of it; int8 names its row format,
+        `int8-asym`, so a peer of the older symmetric int8 refuses to pair)."""
         dtype = f"{self.kv_dtype}+{kv_dtype_name(self.residual_dtype)}" if self.is_int4 else self.kv_dtype
+        dtype = FORMATS.get(dtype, dtype)
         return f"{dtype}/L{self.num_layers}/H{self.num_kv_heads}/D{self.head_dim}/B{self.block_size}"
 
     def describe(self) -> str:
@@ -199,8 +209,10 @@ class KVLayout:
 class LayerCache:
     """One layer's paged K/V as the attention backends see it: `k`, `v` are
     `[num_kv_heads, num_blocks, block_size, head_dim]` in the storage dtype; a quantized cache also has
-    `k_scale`, `v_scale` `[num_kv_heads, num_blocks, block_size]` float32 (one scale per token and kv head;
-    the stored value times its scale is the real one). None for an unquantized cache.
+    `k_scale`, `v_scale`, each row's parameters as kv/quant.py's `quantize` returns them: fp8
+    `[num_kv_heads, num_blocks, block_size]` float32 (stored value times scale is the real one), int8
+    `[num_kv_heads, num_blocks, block_size, 2]` float16 (scale, zero: (stored + 128) * scale + zero). None
+    for an unquantized cache.
 
     int4 (the module docstring): `k`, `v` are packed `[num_kv_heads, num_blocks, block_size, head_dim / 2]`
     uint8; `k_scale`, `k_zero` `[num_kv_heads, num_blocks, head_dim]` and `v_scale`, `v_zero`
@@ -289,8 +301,9 @@ def write(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tens
         kv_dtype = cache.kv_dtype
         k, k_scale = quantize(k, kv_dtype)
         v, v_scale = quantize(v, kv_dtype)
-        cache.k_scale.view(kvh, -1).index_copy_(1, slots, k_scale)
-        cache.v_scale.view(kvh, -1).index_copy_(1, slots, v_scale)
+        rows = (kvh, -1, *cache.k_scale.shape[3:])  # int8: [KVH, NB * BS, 2] (scale, zero) pairs
+        cache.k_scale.view(rows).index_copy_(1, slots, k_scale)
+        cache.v_scale.view(rows).index_copy_(1, slots, v_scale)
     _bits(cache.k).view(kvh, -1, d).index_copy_(1, slots, _bits(k.to(cache.k.dtype)))
     _bits(cache.v).view(kvh, -1, d).index_copy_(1, slots, _bits(v.to(cache.v.dtype)))
 
@@ -331,11 +344,10 @@ class KVCache:
             self._init_int4(num_residual_slots, num_host_blocks)
             self.layers = [self._int4_layer(i) for i in range(lay.num_layers)]
             return
-        scales = self.scales
-        self.layers: list[LayerCache] = [
-            LayerCache(self.data[i, 0], self.data[i, 1], *((scales[i, 0], scales[i, 1]) if scales is not None else ()))
-            for i in range(lay.num_layers)
-        ]
+        scales, n = self.scales, lay.num_layers
+        params = [_row_params(scales[i], lay.kv_dtype) if scales is not None else () for i in range(n)]
+        self.layers: list[LayerCache] = [LayerCache(self.data[i, 0], self.data[i, 1], *params[i])
+                                         for i in range(n)]
 
     @property
     def is_int4(self) -> bool:
@@ -621,6 +633,14 @@ class KVCache:
                     staged = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
                     gathered = staged.copy_(gathered)  # synchronous: the host tier is read right after
                 _bits(host_t).index_copy_(3, dst, _bits(gathered.cpu()))
+
+
+def _row_params(slots: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's per-row 4-byte slots `[2 (K, V), ..., block_size]` float32 as kv/quant.py's qparams for K
+    and V, views: fp8's scales as they are, int8's as float16 (scale, zero) pairs `[..., block_size, 2]`."""
+    if kv_dtype == "int8":
+        slots = slots.view(torch.float16).unflatten(-1, (-1, 2))
+    return slots[0], slots[1]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """cpu-paged on a quantized KV cache (int8, fp8 e4m3; kv/quant.py): the C++ write quantizes exactly as the
 reference does, and decode and prefill read the one-byte values in place. The oracle is float32
 attention over the dequantized cache (`kv/quant.dequantize`): the kernels differ from it only by their
-own rounding (bf16 outputs; prefill's bf16 probabilities), never by the quantization."""
+own rounding (bf16 outputs; prefill's bf16 probabilities), never by the quantization. int8 caches hold
+rows off zero (all positive, all negative, constant, zeros), where a wrong zero would show."""
 
 from __future__ import annotations
 
@@ -35,11 +36,22 @@ def wide_rows(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
     return torch.randn(shape, generator=g) * torch.pow(10.0, -5 * torch.rand(shape, generator=g))
 
 
+def offset_rows(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    """wide_rows shifted by a per-row offset in [-3, 3] (most rows then all positive or all negative),
+    every 7th row constant (scale 0: the row reads as its zero) and every 11th zeros."""
+    x = wide_rows(shape, g) + (torch.rand(*shape[:-1], 1, generator=g) * 6 - 3)
+    rows = x.view(-1, shape[-1])
+    rows[::7] = rows[::7, :1]
+    rows[::11] = 0
+    return x
+
+
 def quantized_cache(kvh: int, nblocks: int, bs: int, d: int, kv_dtype: str, g: torch.Generator) -> LayerCache:
-    """A cache of random rows, stored as the reference quantizes them (scales of unwritten rows are
-    garbage in a real cache: NaN here, which no kernel may read into a result)."""
-    k, ks = quantize(wide_rows((kvh, nblocks, bs, d), g), kv_dtype)
-    v, vs = quantize(wide_rows((kvh, nblocks, bs, d), g), kv_dtype)
+    """A cache of random rows, stored as the reference quantizes them (int8: rows off zero,
+    `offset_rows`)."""
+    rows = offset_rows if kv_dtype == "int8" else wide_rows
+    k, ks = quantize(rows((kvh, nblocks, bs, d), g), kv_dtype)
+    v, vs = quantize(rows((kvh, nblocks, bs, d), g), kv_dtype)
     return LayerCache(k, v, ks, vs)
 
 
@@ -135,10 +147,12 @@ def test_decode_float32_queries_take_the_portable_loop(cpu_paged, kv_dtype):
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_every_code_dequantizes_exactly(cpu_paged, kv_dtype, shape):
     """One-token contexts (softmax weight exactly 1) whose V rows hold every code of the dtype (fp8:
-    subnormals, both zeros; not the NaN codes): the output is each value times its scale, rounded to
-    bf16 once, bit for bit, in the vector conversions and the portable table alike."""
+    subnormals, both zeros; not the NaN codes): the output is each value, the code times its scale (int8:
+    plus its zero), rounded to bf16 once, bit for bit, in the vector conversions and the portable table
+    alike. (int8: scales and zeros of nearby exponents, so that every value and partial sum is exact in
+    float32 whichever way a kernel groups (c + 128) s + z.) The parameters of the rows not read are NaN."""
     (H, KVH, D), bs = shape, 16
-    dtype, _ = QUANT_DTYPES[kv_dtype]
+    dtype = QUANT_DTYPES[kv_dtype]
     if dtype == torch.int8:
         codes = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8)
     else:
@@ -149,14 +163,22 @@ def test_every_code_dequantizes_exactly(cpu_paged, kv_dtype, shape):
     k = torch.zeros(KVH, n, bs, D, dtype=dtype)
     v = torch.zeros(KVH, n, bs, D, dtype=dtype)
     v[:, :, 0] = rows.view(n, D)
-    v_scale = torch.full((KVH, n, bs), float("nan"))
-    v_scale[:, :, 0] = torch.tensor([0.37, 1.9e-3])[torch.arange(n) % 2]
-    k_scale = torch.ones(KVH, n, bs)
+    if dtype == torch.int8:
+        v_params = torch.full((KVH, n, bs, 2), float("nan"), dtype=torch.float16)
+        pairs = torch.tensor([[0.37, -1.5], [1.9e-3, 3e-3]], dtype=torch.float16)
+        v_params[:, :, 0] = pairs[torch.arange(n) % 2]
+        k_params = torch.tensor([1.0, 0.0], dtype=torch.float16).expand(KVH, n, bs, 2).contiguous()
+        s, z = v_params[:, :, 0].float().unbind(-1)
+        expect = (v[:, :, 0].float() + 128) * s[..., None] + z[..., None]
+    else:
+        v_params = torch.full((KVH, n, bs), float("nan"))
+        v_params[:, :, 0] = torch.tensor([0.37, 1.9e-3])[torch.arange(n) % 2]
+        k_params = torch.ones(KVH, n, bs)
+        expect = v[:, :, 0].float() * v_params[:, :, 0, None]
     q = torch.randn(n, H, D).bfloat16()
     group = DecodeGroup(0, n, torch.arange(n)[:, None], torch.ones(n, dtype=torch.int64), None)  # type: ignore[arg-type]
-    out = cpu_paged.decode(q, LayerCache(k, v, k_scale, v_scale), group, D**-0.5)
-    expect = (v[:, :, 0].float() * v_scale[:, :, 0, None]).transpose(0, 1)  # [n, KVH, D]
-    expect = expect.repeat_interleave(H // KVH, dim=1).bfloat16()
+    out = cpu_paged.decode(q, LayerCache(k, v, k_params, v_params), group, D**-0.5)
+    expect = expect.transpose(0, 1).repeat_interleave(H // KVH, dim=1).bfloat16()  # [n, H, D]
     assert torch.equal(out, expect)
 
 
@@ -210,15 +232,18 @@ def mixed_step(cpu_paged, kv_dtype: str, shape: tuple[int, int, int], bs: int, q
     if kv_dtype == "bfloat16":
         cache = LayerCache(torch.zeros(KVH, nblocks, bs, D).bfloat16(), torch.zeros(KVH, nblocks, bs, D).bfloat16())
     else:
-        dtype, _ = QUANT_DTYPES[kv_dtype]
+        dtype = QUANT_DTYPES[kv_dtype]
+        params = (KVH, nblocks, bs, 2) if kv_dtype == "int8" else (KVH, nblocks, bs)
+        pdtype = torch.float16 if kv_dtype == "int8" else torch.float32
         cache = LayerCache(
             torch.zeros(KVH, nblocks, bs, D, dtype=dtype), torch.zeros(KVH, nblocks, bs, D, dtype=dtype),
-            torch.zeros(KVH, nblocks, bs), torch.zeros(KVH, nblocks, bs),
+            torch.zeros(params, dtype=pdtype), torch.zeros(params, dtype=pdtype),
         )
     shapes = [(9, 1), (40, 1), (130, 1), (0, 23), (21, 12)]  # (cached, new): three decodes, two prefills
     tables, _ = random_tables([c + n for c, n in shapes], bs, nblocks, g)
-    full_k = [wide_rows((c + n, KVH, D), g).to(q_dtype) for c, n in shapes]
-    full_v = [wide_rows((c + n, KVH, D), g).to(q_dtype) for c, n in shapes]
+    rows = offset_rows if kv_dtype == "int8" else wide_rows
+    full_k = [rows((c + n, KVH, D), g).to(q_dtype) for c, n in shapes]
+    full_v = [rows((c + n, KVH, D), g).to(q_dtype) for c, n in shapes]
     for (c, _), t, kk, vv in zip(shapes, tables, full_k, full_v):  # what earlier steps wrote
         if c:
             cpu_paged.write_kv(kk[:c], vv[:c], cache, torch.tensor(slots_of(t, 0, c, bs)))
@@ -291,8 +316,10 @@ def test_prefill_fallback_on_quantized_cache(cpu_paged, kv_dtype, bs, q_dtype, t
 
 def special_rows(T: int, KVH: int, D: int, g: torch.Generator) -> torch.Tensor:
     """Random rows over five decades of magnitude (fp8 subnormals) plus the edge cases of the rounding: a
-    row of zeros, a single non-zero value, values exactly half-way between two codes (int8: scale 2, odd
-    integers; fp8: scale 1, integers with more than 4 significant bits), equal values, huge and tiny rows."""
+    row of zeros, a single non-zero value, values exactly half-way between two codes (int8: zero -4 and
+    scale 2, row 9; fp8: scale 1, integers with more than 4 significant bits), equal values, huge and tiny
+    rows; for int8's zero: rows all positive and all negative, a constant row (scale 0) and one off
+    float16's grid (float32 rows: a float16 subnormal scale)."""
     x = wide_rows((T, KVH, D), g) * 3
     x[0, 0] = 0.0
     x[1, 0] = 0.0
@@ -304,6 +331,12 @@ def special_rows(T: int, KVH: int, D: int, g: torch.Generator) -> torch.Tensor:
     x[4, 0] = 1.0
     x[5, 0] *= 1e30
     x[6, 0] *= 1e-30
+    x[7, 0] = x[7, 0].abs() + 2.0
+    x[8, 0] = -x[8, 0].abs() - 0.5
+    x[9, 0] = 2.0 * torch.arange(D) - 3  # with min -4 and max 506 (zero -4, scale 2), every other value is
+    x[9, 0, 0], x[9, 0, 1] = -4.0, 506.0  # half-way between two codes (ties to even); all exact in bf16
+    x[10, 0] = 5.5
+    x[11, 0] = 0.1
     return x
 
 
@@ -316,7 +349,7 @@ def test_write_kv_quantizes_like_the_reference(cpu_paged, kv_dtype, in_dtype, he
     other slot."""
     g = torch.Generator().manual_seed(3)
     KVH, D, bs, nblocks, T = 3, head_dim, 16, 12, 61
-    dtype, _ = QUANT_DTYPES[kv_dtype]
+    dtype = QUANT_DTYPES[kv_dtype]
     qkv = torch.empty(T, (9 + 2 * KVH) * D, dtype=in_dtype)
     k = qkv[:, 9 * D : (9 + KVH) * D].view(T, KVH, D)
     v = qkv[:, (9 + KVH) * D :].view(T, KVH, D)
@@ -324,9 +357,11 @@ def test_write_kv_quantizes_like_the_reference(cpu_paged, kv_dtype, in_dtype, he
     v.copy_(special_rows(T, KVH, D, g).flip(0))
     slots = torch.randperm(nblocks * bs, generator=g)[:T]
     fill = torch.randint(-100, 100, (KVH, nblocks, bs, D), generator=g, dtype=torch.int8)
+    params = (KVH, nblocks, bs, 2) if kv_dtype == "int8" else (KVH, nblocks, bs)
+    pdtype = torch.float16 if kv_dtype == "int8" else torch.float32
     cache = LayerCache(
         fill.clone().view(dtype), fill.flip(0).clone().view(dtype),
-        torch.full((KVH, nblocks, bs), -1.0), torch.full((KVH, nblocks, bs), -2.0),
+        torch.full(params, -1.0, dtype=pdtype), torch.full(params, -2.0, dtype=pdtype),
     )
     before = LayerCache(cache.k.clone(), cache.v.clone(), cache.k_scale.clone(), cache.v_scale.clone())  # type: ignore[union-attr]
     cpu_paged.write_kv(k, v, cache, slots)
@@ -337,11 +372,11 @@ def test_write_kv_quantizes_like_the_reference(cpu_paged, kv_dtype, in_dtype, he
         ref, ref_scale = quantize(x.transpose(0, 1), kv_dtype)  # [KVH, T, D]
         got = stored.view(KVH, -1, D)[:, slots]
         assert torch.equal(got.view(torch.int8), ref.view(torch.int8)), "codes differ from kv/quant.py"
-        assert torch.equal(scale.view(KVH, -1)[:, slots], ref_scale), "scales differ from kv/quant.py"
+        assert torch.equal(scale.flatten(1, 2)[:, slots], ref_scale), "parameters differ from kv/quant.py"
         untouched = torch.ones(nblocks * bs, dtype=torch.bool)
         untouched[slots] = False
         assert torch.equal(stored.view(KVH, -1, D)[:, untouched].view(torch.int8), old.view(KVH, -1, D)[:, untouched].view(torch.int8))
-        assert torch.equal(scale.view(KVH, -1)[:, untouched], old_scale.view(KVH, -1)[:, untouched])
+        assert torch.equal(scale.flatten(1, 2)[:, untouched], old_scale.flatten(1, 2)[:, untouched])
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
@@ -355,7 +390,7 @@ def test_write_kv_rejects_bad_slots_and_missing_scales(cpu_paged, kv_dtype):
             cpu_paged.write_kv(k, k, cache, torch.tensor([bad]))
     with pytest.raises(RuntimeError, match="needs k_scale and v_scale"):
         cpu_paged.write_kv(k, k, LayerCache(cache.k, cache.v), torch.tensor([0]))
-    with pytest.raises(RuntimeError, match="scales must be contiguous float32"):
+    with pytest.raises(RuntimeError, match="scales must be contiguous"):
         cpu_paged.write_kv(k, k, LayerCache(cache.k, cache.v, cache.k_scale.double(), cache.v_scale), torch.tensor([0]))  # type: ignore[union-attr]
     with pytest.raises(RuntimeError, match="needs k_scale and v_scale"):
         table = torch.zeros(1, 1, dtype=torch.int64)

@@ -363,7 +363,7 @@ def test_inproc_refuses_to_pair_different_layouts(pair, prompts):
     d.add_request(prompts[0], GREEDY, req_id="d0", kv_transfer=RemotePrefill("t0"))
     d.step()
     ((rid, skip),) = d.take_kv_reservations()
-    with pytest.raises(InvalidRequestError, match="KV layout mismatch: the sender's cache is int8/.*float32/"):
+    with pytest.raises(InvalidRequestError, match="mismatch: the sender's cache is int8-asym/.*float32/"):
         p.add_request(prompts[0], GREEDY, kv_transfer=RemoteDecode("t0", d.connector.address, skip))  # type: ignore[union-attr]
     d.abort_request(rid)
     d.step()

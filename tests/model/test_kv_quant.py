@@ -28,14 +28,66 @@ def _rows(n: int, d: int, seed: int = 0) -> torch.Tensor:
     return x
 
 
+def _edge_rows(d: int) -> torch.Tensor:
+    """Rows where a wrong zero shows: all positive, all negative, far from 0 with a small spread (the
+    float16 zero's rounding is many steps there), constant (min == max: scale 0 where the value is on
+    float16's grid, as every bf16 value of float16's range is; never a division by it), a constant off
+    the grid, a single non-zero value, a range whose scale is a float16 subnormal."""
+    g = torch.Generator().manual_seed(4)
+    return torch.stack([
+        torch.rand(d, generator=g) * 3 + 1,
+        -torch.rand(d, generator=g) * 3 - 1,
+        100 + torch.randn(d, generator=g) * 0.01,
+        torch.full((d,), 3.0),
+        torch.full((d,), -7.25),
+        torch.full((d,), 0.1),
+        torch.zeros(d).index_fill_(0, torch.tensor([3]), -2.5),
+        torch.linspace(-1e-3, 5e-4, d),
+    ])
+
+
 def test_int8_error_is_at_most_half_a_step():
-    x = _rows(64, 64)
-    stored, scale = quantize(x, "int8")
-    assert stored.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (64,)
-    assert scale[0] == 0 and torch.all(stored[0] == 0)
-    err = (dequantize(stored, scale, torch.float32) - x).abs()
-    assert torch.all(err <= scale.unsqueeze(1) * 0.5 * (1 + 1e-5) + 1e-12)
-    assert torch.all(stored.abs().amax(1)[1:] == 127)  # the largest element of each row uses the full range
+    """Asymmetric over each row's [min, max]: off by half a step plus the float16 roundings of zero
+    (at the bottom) and scale (255 steps of its error at the top); min and max use the ends of the range."""
+    x = torch.cat([_rows(64, 64), _edge_rows(64)])
+    stored, qparams = quantize(x, "int8")
+    assert stored.dtype == torch.int8 and qparams.dtype == torch.float16 and qparams.shape == (x.shape[0], 2)
+    scale, zero = qparams.float().unbind(-1)
+    lo, hi = x.amin(1), x.amax(1)
+    assert scale[0] == 0 and zero[0] == 0 and torch.all(stored[0] == -128)  # a row of zeros reads as 0
+    err = (dequantize(stored, qparams, torch.float32) - x).abs()
+    bound = scale * 0.5 + (zero - lo).abs() + 255 * (scale - (hi - zero) / 255).abs()
+    bound += torch.maximum(lo.abs(), hi.abs()) * 2**-21  # float32 roundings
+    assert torch.all(err <= bound.unsqueeze(1))
+    # Rows about 0 use the whole range (the float16 roundings are a fraction of a step there).
+    assert torch.all(stored[1:64].amin(1) == -128) and torch.all(stored[1:64].amax(1) >= 126)
+    const = [64 + 3, 64 + 4]  # constant on float16's grid: scale 0, every value exactly its zero
+    assert torch.all(scale[const] == 0) and torch.all(stored[const] == -128)
+    assert torch.equal(dequantize(stored, qparams, torch.float32)[const], x[const])
+
+
+def _int8_asymmetric(x: torch.Tensor) -> torch.Tensor:
+    """benchmarks/kv_int8_split.py's `int8_asymmetric`, the measurement the format was adopted from."""
+    xf = x.float()
+    zero = xf.amin(-1, keepdim=True).half().float()
+    scale = ((xf.amax(-1, keepdim=True) - zero) / 255.0).half().float()
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = ((xf - zero) * inv).round_().clamp_(0, 255)
+    return (q * scale + zero).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_is_the_measured_asymmetric_quantizer(dtype):
+    x = torch.cat([_rows(64, 64), _edge_rows(64)]).to(dtype)
+    assert torch.equal(dequantize(*quantize(x, "int8"), dtype), _int8_asymmetric(x))
+
+
+def test_int8_rows_beyond_float16_saturate():
+    """A row whose min lies beyond float16's range: zero and scale clamp to +-65504 (no inf, no NaN)."""
+    x = torch.tensor([[-1e30, 0.0, 1.0, 2.0], [1e6, 1e6 + 1, 1e6 + 2, 1e6 + 3]])
+    stored, qparams = quantize(x, "int8")
+    assert torch.isfinite(qparams).all() and torch.isfinite(dequantize(stored, qparams, torch.float32)).all()
+    assert qparams[0, 1] == -65504 and qparams[1, 1] == 65504
 
 
 def test_fp8_error_is_relative():
@@ -51,7 +103,10 @@ def test_fp8_error_is_relative():
 
 def _layer(dtype: torch.dtype, num_blocks: int = 16, bs: int = 4, kvh: int = 2, d: int = 16) -> LayerCache:
     k = torch.zeros(kvh, num_blocks, bs, d, dtype=dtype)
-    if dtype in (torch.int8, torch.float8_e4m3fn):
+    if dtype == torch.int8:  # (scale, zero) float16 pairs
+        s = torch.zeros(kvh, num_blocks, bs, 2, dtype=torch.float16)
+        return LayerCache(k, torch.zeros_like(k), s, torch.zeros_like(s))
+    if dtype == torch.float8_e4m3fn:
         s = torch.zeros(kvh, num_blocks, bs)
         return LayerCache(k, torch.zeros_like(k), s, torch.zeros_like(s))
     return LayerCache(k, torch.zeros_like(k))
@@ -84,7 +139,7 @@ def _mixed_step(kv_dtype: str, dtype: torch.dtype):
     same step over an unquantized cache holding the quantized cache's dequantized values."""
     g = torch.Generator().manual_seed(0)
     H, KVH, D, bs, nblocks = 6, 2, 16, 4, 64
-    qcache = _layer(QUANT_DTYPES[kv_dtype][0], nblocks, bs, KVH, D)
+    qcache = _layer(QUANT_DTYPES[kv_dtype], nblocks, bs, KVH, D)
     fcache = _layer(dtype, nblocks, bs, KVH, D)
     perm = torch.randperm(nblocks, generator=g).tolist()
     shapes = [(9, 1), (3, 1), (17, 1), (0, 11), (6, 5)]
@@ -157,9 +212,26 @@ def test_quantized_cache_swaps_scales_with_blocks():
         assert torch.equal(cache.scales[:, :, :, dst], before_s[:, :, :, src])
 
 
+def test_int8_layers_read_the_scales_slots_as_scale_zero_pairs():
+    """int8's layer views are float16 (scale, zero) pairs over the same bytes as `scales` (which swap,
+    transfer and prefix sharing move): a write through a layer lands in the slots, and the slots' bytes
+    carry the zero."""
+    layout = KVLayout(TINY.num_layers, TINY.num_kv_heads, TINY.head_dim, torch.int8, 4)
+    cache = KVCache(layout, num_blocks=8, device=torch.device("cpu"))
+    layer = cache.layers[1]
+    assert layer.k_scale is not None and layer.k_scale.dtype == torch.float16
+    assert layer.k_scale.shape == (2, 8, 4, 2)
+    k = torch.rand(3, 2, 16) + 5  # all positive: the zero is about 5
+    write(layer, k, -k, torch.tensor([0, 9, 31]))
+    _, want = quantize(k.transpose(0, 1), "int8")
+    slots = cache.scales[1, 0].view(2, -1)[:, [0, 9, 31]]
+    assert torch.equal(slots.view(torch.float16).view(2, 3, 2), want)
+    assert torch.all(want[..., 1] > 4.9)
+
+
 @pytest.mark.parametrize("kv_dtype", QUANT)
 def test_transfer_payload_round_trip(kv_dtype):
-    layout = KVLayout(TINY.num_layers, TINY.num_kv_heads, TINY.head_dim, QUANT_DTYPES[kv_dtype][0], 4)
+    layout = KVLayout(TINY.num_layers, TINY.num_kv_heads, TINY.head_dim, QUANT_DTYPES[kv_dtype], 4)
     a = KVCache(layout, num_blocks=8, device=torch.device("cpu"))
     b = KVCache(layout, num_blocks=8, device=torch.device("cpu"))
     g = torch.Generator().manual_seed(3)

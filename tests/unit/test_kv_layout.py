@@ -7,6 +7,7 @@ import torch
 
 from pdserve.config import ModelConfig
 from pdserve.kv.cache import KVLayout, storage_dtype
+from pdserve.transfer.base import layout_mismatch
 
 SMOLLM2 = ModelConfig(
     vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
@@ -16,13 +17,14 @@ SMOLLM2 = ModelConfig(
 
 
 def test_quantized_blocks_are_about_half_the_bytes():
-    """int8/fp8 rows are head_dim bytes plus a float32 scale: 68 vs bf16's 128 bytes at head_dim 64."""
+    """int8/fp8 rows are head_dim bytes plus 4 bytes of parameters (fp8: a float32 scale; int8: a float16
+    scale and zero): 68 vs bf16's 128 bytes at head_dim 64."""
     bf16 = KVLayout.for_model(SMOLLM2, 16, "auto", torch.bfloat16)
     assert bf16.kv_dtype == "bfloat16" and not bf16.quantized and bf16.scales == "none"
     assert bf16.block_bytes == 2 * 30 * 16 * 3 * 64 * 2
-    for name in ("int8", "fp8_e4m3"):
+    for name, scales in (("int8", "per-token-head-zero"), ("fp8_e4m3", "per-token-head")):
         q = KVLayout.for_model(SMOLLM2, 16, name, torch.bfloat16)
-        assert q.kv_dtype == name and q.quantized and q.scales == "per-token-head"
+        assert q.kv_dtype == name and q.quantized and q.scales == scales
         assert q.block_bytes == 2 * 30 * 16 * 3 * (64 + 4)
         assert 1.85 < bf16.block_bytes / q.block_bytes < 1.9
 
@@ -54,6 +56,15 @@ def test_layout_key_tells_every_difference():
     ]
     assert len({base.key(), *(o.key() for o in others)}) == 1 + len(others)
     assert base.key() == KVLayout(2, 3, 8, torch.int8, 16).key()
+
+
+def test_int8_key_names_the_asymmetric_format():
+    """int8 rows are asymmetric (a float16 scale and zero): a peer of the older symmetric int8 format,
+    whose key began `int8/`, has the same payload shape and must not pair."""
+    key = KVLayout(2, 3, 8, torch.int8, 16).key()
+    assert key == "int8-asym/L2/H3/D8/B16"
+    assert layout_mismatch("int8/L2/H3/D8/B16", key) is not None
+    assert KVLayout(2, 3, 8, torch.float8_e4m3fn, 16).key() == "fp8_e4m3/L2/H3/D8/B16"
 
 
 def test_int4_payload_is_sealed_blocks_then_the_open_block():

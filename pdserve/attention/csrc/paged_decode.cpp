@@ -3,10 +3,14 @@
 // over (request, kv head) pairs, in contiguous ranges of equal context length per thread (the runner
 // sorts decodes by context, so equal item counts would give one thread all the long ones).
 //
-// The cache is bf16 (or float32), or quantized (kv/quant.py): int8 or fp8 e4m3 values with one float32
-// scale per (kv head, token) row, the value being stored * scale. The kernels read quantized rows in place
-// and dequantize in registers; the scale is applied once per row (q.k: the dot product times the K
-// scale; p.v: the V scale folded into p), so a decode step reads D + 4 bytes per row instead of 2D.
+// The cache is bf16 (or float32), or quantized (kv/quant.py) with 4 bytes of parameters per (kv head,
+// token) row: fp8 e4m3 values with a float32 scale s, the value being stored * s; int8 values with a
+// float16 scale s and zero z (asymmetric over the row's [min, max]), the stored byte c being q - 128 and
+// the value (c + 128) s + z = c s + m with m = z + 128 s. The kernels read quantized rows in place and
+// dequantize in registers; the parameters are applied once per row (q.k: the dot product times the K
+// scale, plus int8's m times the sum of the query's dims; p.v: the V scale folded into p, and int8's
+// sum_t p_t m_t one scalar per head added to every output dim), so a decode step reads D + 4 bytes per
+// row instead of 2D.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -119,8 +123,17 @@ void for_each_item(const int64_t* ctx, int64_t B, int64_t KVH, const F& fn) {
 // kv head h (is_v: the V side, else K) as float into rows [n, D]. A policy per cache layout keeps one
 // skeleton (decode_kernel) for every dtype.
 //
-// ScaledRows: bf16 / float32 rows as they are, or int8 / fp8 with their per-row scales k_scale, v_scale
-// [KVH, NB, BS] (nullptr for an unquantized cache), each value times its row's scale.
+// int8's parameters: the float16 pair (scale, zero) in the row's 4-byte slot (kv/quant.py).
+inline void int8_params(const float* slot, float& s, float& z) {
+  uint16_t h[2];
+  std::memcpy(h, slot, sizeof(h));
+  s = static_cast<float>(at::Half(h[0], at::Half::from_bits()));
+  z = static_cast<float>(at::Half(h[1], at::Half::from_bits()));
+}
+
+// ScaledRows: bf16 / float32 rows as they are, or int8 / fp8 with their rows' 4-byte parameter slots
+// k_scale, v_scale [KVH, NB, BS] (nullptr for an unquantized cache): fp8 each value times its row's
+// scale, int8 (c + 128) * scale + zero as kv/quant.py dequantizes.
 template <typename C>
 struct ScaledRows {
   const C* k;
@@ -133,8 +146,14 @@ struct ScaledRows {
     const C* src = (is_v ? v : k) + row0 * D;
     const float* row_scale = is_v ? v_scale : k_scale;
     for (int64_t t = 0; t < n; ++t) {
-      const float s = row_scale ? row_scale[row0 + t] : 1.f;
-      for (int64_t d = 0; d < D; ++d) rows[t * D + d] = to_float(src[t * D + d]) * s;
+      if constexpr (std::is_same_v<C, int8_t>) {
+        float s, z;
+        int8_params(row_scale + row0 + t, s, z);
+        for (int64_t d = 0; d < D; ++d) rows[t * D + d] = (to_float(src[t * D + d]) + 128.f) * s + z;
+      } else {
+        const float s = row_scale ? row_scale[row0 + t] : 1.f;
+        for (int64_t d = 0; d < D; ++d) rows[t * D + d] = to_float(src[t * D + d]) * s;
+      }
     }
   }
 };
@@ -284,11 +303,14 @@ inline __m512 bf16x16_to_float(const at::BFloat16* p) {
 
 // How the fast kernels read each cache dtype's rows: `bf16x32` gives 32 values as bf16 (the q.k dot
 // products, and prefill's p.v, are bf16 pairs), `f32x32` the same 32 as two float vectors (decode's p.v).
-// int8 and fp8 e4m3 values are exact in bf16 (7 and 4 significant bits against bf16's 8), so a quantized
-// row costs a conversion and no rounding; its scale is applied by the kernel, once per row.
+// int8 and fp8 e4m3 values are exact in bf16 (8 and 4 significant bits against bf16's 8), so a quantized
+// row costs a conversion and no rounding; its parameters are applied by the kernel, once per row:
+// params16 gives 16 rows' scales s and offsets m (a stored value reads as stored * s + m; m = 0 but for
+// int8, kZero) from their slots, lanes off `live` zero.
 struct Bf16Rows {
   using T = at::BFloat16;
   static constexpr bool kQuantized = false;
+  static constexpr bool kZero = false;
   static constexpr bool kIntDot = false;  // see Int8Rows
   static __m512i bf16x32(const T* p) { return _mm512_loadu_si512(p); }
   static void f32x32(const T* p, __m512& lo, __m512& hi) { lo = bf16x16_to_float(p), hi = bf16x16_to_float(p + 16); }
@@ -296,9 +318,12 @@ struct Bf16Rows {
 
 // int8 K in decode goes another way where the CPU has AVX512-VNNI (every AVX512-BF16 CPU so far): the
 // query heads are rounded to int16 (15 bits of their largest value: finer than bf16's 8 significant
-// bits), K widens to int16 in one instruction per 32 values, and vpdpwssd sums the exact products, 32
-// per instruction, as vdpbf16ps does for bf16: one widening per 32 values where converting to bf16 takes
-// three conversions (on cache-resident blocks of a busy host it ran clearly faster; to be measured).
+// bits), K's stored bytes c (q - 128, signed) widen to int16 in one instruction per 32 values, and
+// vpdpwssd sums the exact products, 32 per instruction, as vdpbf16ps does for bf16: one widening per 32
+// values where converting to bf16 takes three conversions (on cache-resident blocks of a busy host it ran
+// clearly faster; to be measured). The zero's share of q.k, m_t sum(q), is added in float: sum(q) of the
+// bf16 query, once per head and step. (Signed bytes keep the widening and the bf16 conversions as they
+// were for the symmetric format; vpdpbusd's u8 x s8 would need the query in 8 bits.)
 #if defined(__AVX512VNNI__)
 constexpr bool kHaveVnni = true;
 #else
@@ -308,7 +333,19 @@ constexpr bool kHaveVnni = false;
 struct Int8Rows {
   using T = int8_t;
   static constexpr bool kQuantized = true;
+  static constexpr bool kZero = true;
   static constexpr bool kIntDot = kHaveVnni;
+  // The float16 pair (scale, zero) of each slot: scale in the low half, zero in the high (little-endian).
+  static void params16(const float* slot, __mmask16 live, __m512& s, __m512& m) {
+    const __m512i w = _mm512_maskz_loadu_epi32(live, slot);
+    s = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w));
+    m = _mm512_fmadd_ps(s, _mm512_set1_ps(128.f), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16))));
+  }
+  static void params1(const float* slot, float& s, float& m) {
+    float z;
+    int8_params(slot, s, z);
+    m = z + 128.f * s;
+  }
   static __m512 f32x16(const T* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
@@ -322,7 +359,12 @@ alignas(64) constexpr uint16_t kFp8SubnormalBf16[32] = {0, 0x3B00, 0x3B80, 0x3BC
 struct Fp8Rows {
   using T = uint8_t;  // at::Float8_e4m3fn's bits
   static constexpr bool kQuantized = true;
+  static constexpr bool kZero = false;
   static constexpr bool kIntDot = false;
+  static void params16(const float* slot, __mmask16 live, __m512& s, __m512& m) {
+    s = _mm512_maskz_loadu_ps(live, slot), m = _mm512_setzero_ps();
+  }
+  static void params1(const float* slot, float& s, float& m) { s = *slot, m = 0.f; }
   // Normal codes: bf16 takes e4m3's exponent rebiased (+120: bias 7 -> 127) and its 3 mantissa bits as
   // the top of its 7; the subnormals (exponent field 0) come from an 8-entry table in one permute (bf16
   // subnormals would be flushed to zero by the BF16 dot products).
@@ -383,11 +425,12 @@ inline void queries_to_int16(const at::BFloat16* q, int16_t* q16, float* unit) {
   }
 }
 
-// The scores of 16 int8 K rows for the G int16 query heads, times row_scale (softmax scale x K scales)
-// and each head's step: K widened to int16 once into `kw` (L1), then exact integer dot products.
+// The scores of 16 int8 K rows for the G int16 query heads: the integer dot products times row_scale
+// (softmax scale x K scales) and each head's step, plus row_zero (softmax scale x the rows' m) times each
+// head's q_sum. K widened to int16 once into `kw` (L1), then exact integer dot products.
 template <int D, int G>
-inline void int8_scores16(const int8_t* k, const int16_t* q16, const float* unit, __m512 row_scale, int16_t* kw,
-                          float* scores, int64_t stride) {
+inline void int8_scores16(const int8_t* k, const int16_t* q16, const float* unit, const float* q_sum, __m512 row_scale,
+                          __m512 row_zero, int16_t* kw, float* scores, int64_t stride) {
   constexpr int NC = D / 32;
   for (int r = 0; r < 16; ++r)
     for (int c = 0; c < NC; ++c)
@@ -403,7 +446,8 @@ inline void int8_scores16(const int8_t* k, const int16_t* q16, const float* unit
       acc[r] = _mm512_castsi512_ps(a);
     }
     const __m512 dots = _mm512_cvtepi32_ps(_mm512_castps_si512(hsum16<true>(acc)));
-    _mm512_storeu_ps(scores + g * stride, _mm512_mul_ps(dots, _mm512_mul_ps(row_scale, _mm512_set1_ps(unit[g]))));
+    _mm512_storeu_ps(scores + g * stride, _mm512_fmadd_ps(dots, _mm512_mul_ps(row_scale, _mm512_set1_ps(unit[g])),
+                                                          _mm512_mul_ps(row_zero, _mm512_set1_ps(q_sum[g]))));
   }
 }
 
@@ -462,7 +506,10 @@ __attribute__((always_inline)) inline void pv_block(float (*accm)[D], const floa
 // A quantized cache (R = Int8Rows, Fp8Rows) takes the same path: 16 K rows are converted to bf16 once
 // into an L1 buffer that the G heads then read as they read a bf16 block (int8 with VNNI: widened to
 // int16 for integer dot products instead, see Int8Rows), the 16 scores are multiplied by their rows' K
-// scales with the softmax scale, and before p.v the probabilities by their rows' V scales.
+// scales with the softmax scale, and before p.v the probabilities by their rows' V scales. int8's
+// offsets m: q.k_t = s_t (q . c_t) + m_t sum(q), each head's sum(q) once per step; p.v = sum_t (p_t s_t)
+// c_t + sum_t p_t m_t, the second one scalar per head added to every dim at the end (the int4 kernel's
+// values take the same fold).
 constexpr int64_t kPrefetch = 6;
 constexpr int64_t kTouch = 16;  // one line of the block this far ahead: its page walk and DRAM row early (+5-10%)
 template <int D, int G, typename R>
@@ -514,6 +561,13 @@ void decode_avx512(const at::BFloat16* q, const typename R::T* k_cache, const ty
     alignas(64) int16_t q16[R::kIntDot ? G * D : 1];
     float q_unit[G];
     if constexpr (R::kIntDot) queries_to_int16<D, G>(qh, q16, q_unit);
+    float q_sum[G] = {};  // int8: each head's sum of its dims (the share of the rows' offsets m in q.k)
+    if constexpr (R::kZero)
+      for (int g = 0; g < G; ++g) {
+        __m512 a = _mm512_setzero_ps();
+        for (int d = 0; d < D; d += 16) a = _mm512_add_ps(a, bf16x16_to_float(qh + g * D + d));
+        q_sum[g] = _mm512_reduce_add_ps(a);
+      }
     for (int64_t j = 0; j < nblocks; ++j) {
       const T* kb = kh + blocks[j] * BS * D;
       const float* ksb = R::kQuantized ? ksh + blocks[j] * BS : nullptr;
@@ -526,34 +580,46 @@ void decode_avx512(const at::BFloat16* q, const typename R::T* k_cache, const ty
       const int64_t t0 = j * BS, n = std::min(BS, L - t0);
       int64_t t = 0;
       for (; t + 16 <= BS && t < n; t += 16) {  // 16 rows at a time (rows past n are read, never used)
+        __m512 row_scale = vscale, row_zero = _mm512_setzero_ps();  // softmax scale x the rows' s, m
+        if constexpr (R::kQuantized) {
+          __m512 s, m;
+          R::params16(ksb + t, static_cast<__mmask16>(0xFFFF), s, m);
+          row_scale = _mm512_mul_ps(vscale, s), row_zero = _mm512_mul_ps(vscale, m);
+        }
         if constexpr (R::kIntDot) {
-          int8_scores16<D, G>(kb + t * D, q16, q_unit, _mm512_mul_ps(vscale, _mm512_loadu_ps(ksb + t)),
-                              reinterpret_cast<int16_t*>(kconv), scores.data() + t0 + t, stride);
+          int8_scores16<D, G>(kb + t * D, q16, q_unit, q_sum, row_scale, row_zero, reinterpret_cast<int16_t*>(kconv),
+                              scores.data() + t0 + t, stride);
           continue;
         }
         const at::BFloat16* k;
-        __m512 row_scale = vscale;
         if constexpr (R::kQuantized) {
           for (int r = 0; r < 16; ++r)
             for (int c = 0; c < NC; ++c) _mm512_store_si512(kconv + r * D + 32 * c, R::bf16x32(kb + (t + r) * D + 32 * c));
           k = reinterpret_cast<const at::BFloat16*>(kconv);
-          row_scale = _mm512_mul_ps(vscale, _mm512_loadu_ps(ksb + t));
         } else {
           k = kb + t * D;
         }
         bf16_scores16<D, G>(qh, k, [&](int g, __m512 dots) {
-          _mm512_storeu_ps(scores.data() + g * stride + t0 + t, _mm512_mul_ps(dots, row_scale));
+          __m512 sc = _mm512_mul_ps(dots, row_scale);
+          if constexpr (R::kZero) sc = _mm512_fmadd_ps(row_zero, _mm512_set1_ps(q_sum[g]), sc);
+          _mm512_storeu_ps(scores.data() + g * stride + t0 + t, sc);
         });
       }
       for (; t < n; ++t) {  // blocks smaller than 16 tokens
-        const float row_scale = R::kQuantized ? scale * ksb[t] : scale;
+        float row_scale = scale, row_zero = 0.f;
+        if constexpr (R::kQuantized) {
+          float s, m;
+          R::params1(ksb + t, s, m);
+          row_scale = scale * s, row_zero = scale * m;
+        }
         if constexpr (R::kIntDot) {
           for (int g = 0; g < G; ++g) {
             __m512i acc = _mm512_setzero_si512();
             for (int c = 0; c < NC; ++c)
               acc = _mm512_dpwssd_epi32(acc, _mm512_load_si512(q16 + g * D + 32 * c),
                                         _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kb + t * D + 32 * c))));
-            scores[g * stride + t0 + t] = static_cast<float>(_mm512_reduce_add_epi32(acc)) * q_unit[g] * row_scale;
+            scores[g * stride + t0 + t] =
+                static_cast<float>(_mm512_reduce_add_epi32(acc)) * q_unit[g] * row_scale + row_zero * q_sum[g];
           }
           continue;
         }
@@ -562,24 +628,34 @@ void decode_avx512(const at::BFloat16* q, const typename R::T* k_cache, const ty
           for (int c = 0; c < NC; ++c)
             acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qh + g * D + 32 * c),
                                    (__m512bh)R::bf16x32(kb + t * D + 32 * c));
-          scores[g * stride + t0 + t] = _mm512_reduce_add_ps(acc) * row_scale;
+          float sc = _mm512_reduce_add_ps(acc) * row_scale;
+          if constexpr (R::kZero) sc += row_zero * q_sum[g];
+          scores[g * stride + t0 + t] = sc;
         }
       }
     }
     for (int g = 0; g < G; ++g) softmax_inplace(scores.data() + g * stride, L);
+    float z_sum[G] = {};  // int8: sum_t p_t m_t per head, added to every output dim
     if constexpr (R::kQuantized) {  // p * v_scale over the whole context: V rows then enter p.v unscaled
+      __m512 zacc[G];
+      for (int g = 0; g < G; ++g) zacc[g] = _mm512_setzero_ps();
       for (int64_t j = 0; j < nblocks; ++j) {
         const float* vsb = vsh + blocks[j] * BS;
         const int64_t t0 = j * BS, n = std::min(BS, L - t0);
         for (int64_t t = 0; t < n; t += 16) {
           const __mmask16 live = n - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - t)) - 1u);
-          const __m512 vs = _mm512_maskz_loadu_ps(live, vsb + t);
+          __m512 vs, vm;
+          R::params16(vsb + t, live, vs, vm);
           for (int g = 0; g < G; ++g) {
             float* p = scores.data() + g * stride + t0 + t;
-            _mm512_mask_storeu_ps(p, live, _mm512_mul_ps(_mm512_maskz_loadu_ps(live, p), vs));
+            const __m512 pv = _mm512_maskz_loadu_ps(live, p);
+            if constexpr (R::kZero) zacc[g] = _mm512_fmadd_ps(pv, vm, zacc[g]);
+            _mm512_mask_storeu_ps(p, live, _mm512_mul_ps(pv, vs));
           }
         }
       }
+      if constexpr (R::kZero)
+        for (int g = 0; g < G; ++g) z_sum[g] = _mm512_reduce_add_ps(zacc[g]);
     }
     warm(vh);
     alignas(64) float accm[G][D];
@@ -595,7 +671,12 @@ void decode_avx512(const at::BFloat16* q, const typename R::T* k_cache, const ty
     }
     for (int g = 0; g < G; ++g) {
       at::BFloat16* o = out + (b * H + h * G + g) * D;
-      for (int d = 0; d < D; d += 16) store_bf16x16(o + d, _mm512_load_ps(accm[g] + d));
+      const __m512 z = _mm512_set1_ps(z_sum[g]);
+      for (int d = 0; d < D; d += 16) {
+        __m512 x = _mm512_load_ps(accm[g] + d);
+        if constexpr (R::kZero) x = _mm512_add_ps(x, z);
+        store_bf16x16(o + d, x);
+      }
     }
   });
 }
@@ -693,7 +774,9 @@ inline void finish_tile(float (*acc)[D][16], const __m512* l, int64_t rows, __m5
 // tile's G heads. The accumulators stay fp32, [head][dim][row], in L1.
 // A quantized cache: the 16 keys are converted to bf16 once per chunk (exact), their scores multiplied by
 // their K scales, and the probabilities by their V scales before they are rounded to bf16 for p.v (the
-// row sums l stay unscaled).
+// row sums l stay unscaled). int8's offsets m (see decode_avx512): each score gains m_t times its row's
+// sum(q) (per lane, once per tile), and sum_t p_t m_t runs beside the accumulators in float (rescaled
+// with them) and is added to every dim before the division by l.
 template <int D, int G, typename R>
 void prefill_avx512(const at::BFloat16* q, const typename R::T* k_cache, const typename R::T* v_cache,
                     const float* k_scale, const float* v_scale, const int64_t* tables, int64_t max_blocks,
@@ -720,6 +803,7 @@ void prefill_avx512(const at::BFloat16* q, const typename R::T* k_cache, const t
     const float* vsh = R::kQuantized ? v_scale + h * NB * BS : nullptr;
     alignas(64) int32_t kconv[R::kQuantized ? 8 * D : 1];  // the chunk's 16 quantized keys as bf16
     alignas(64) float kmul[16], vmul[16];  // per key: K scale x softmax scale (log2 units), V scale
+    alignas(64) float kzero[16], vzero[16];  // int8, per key: K offset m x softmax scale (log2 units), V offset
     alignas(64) int32_t qt[G][D / 2][QT];  // query dim pairs, lanes = rows
     alignas(64) float acc[G][D][QT];       // lanes = rows
     alignas(64) int32_t vi[8][D];          // 16 keys' V: (v[2t][d], v[2t+1][d]) per dim d
@@ -729,6 +813,17 @@ void prefill_avx512(const at::BFloat16* q, const typename R::T* k_cache, const t
     const __m512i pos = _mm512_min_epi32(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(first_pos)), lane),
                                          _mm512_set1_epi32(static_cast<int32_t>(first_pos + rows - 1)));
     start_tile<D, G>(q + (q_start[p] + r0) * q_row + h * G * D, q_row, row_mask, lane, qt, acc, m, l);
+    __m512 qsum[G], zacc[G];  // int8, per row: sum_d q_d; sum_t p_t m_t
+    if constexpr (R::kZero)
+      for (int g = 0; g < G; ++g) {
+        __m512 a = _mm512_setzero_ps();
+        for (int pr = 0; pr < D / 2; ++pr) {  // a dim pair per lane: element 2pr in the low half
+          const __m512i x = _mm512_load_si512(qt[g][pr]);
+          a = _mm512_add_ps(a, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)));
+          a = _mm512_add_ps(a, _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u)))));
+        }
+        qsum[g] = a, zacc[g] = _mm512_setzero_ps();
+      }
     const int64_t num_keys = first_pos + rows;  // the last row attends this many keys
     for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
       const int64_t row0 = blocks[j0 / BS] * BS + j0 % BS, off = row0 * D;  // the chunk's first row
@@ -743,8 +838,12 @@ void prefill_avx512(const at::BFloat16* q, const typename R::T* k_cache, const t
       }
       if constexpr (R::kQuantized) {  // keys past nk: scale 0 (their rows may hold anything)
         const __mmask16 live = static_cast<__mmask16>((1u << nk) - 1u);
-        _mm512_store_ps(kmul, _mm512_mul_ps(scale2, _mm512_maskz_loadu_ps(live, ksh + row0)));
-        _mm512_store_ps(vmul, _mm512_maskz_loadu_ps(live, vsh + row0));
+        __m512 ks, km, vs, vm;
+        R::params16(ksh + row0, live, ks, km);
+        R::params16(vsh + row0, live, vs, vm);
+        _mm512_store_ps(kmul, _mm512_mul_ps(scale2, ks));
+        _mm512_store_ps(vmul, vs);
+        if constexpr (R::kZero) _mm512_store_ps(kzero, _mm512_mul_ps(scale2, km)), _mm512_store_ps(vzero, vm);
         for (int t = 0; t < 16; ++t)
           for (int c = 0; c < D / 32; ++c)
             _mm512_store_si512(kconv + t * (D / 2) + 16 * c, R::bf16x32(kh + off + t * D + 32 * c));
@@ -770,7 +869,10 @@ void prefill_avx512(const at::BFloat16* q, const typename R::T* k_cache, const t
         }
         __m512 mx = neg_big;
         for (int t = 0; t < 16; ++t) {
-          s[t] = _mm512_mul_ps(s[t], R::kQuantized ? _mm512_set1_ps(kmul[t]) : scale2);
+          if constexpr (R::kZero)
+            s[t] = _mm512_fmadd_ps(s[t], _mm512_set1_ps(kmul[t]), _mm512_mul_ps(qsum[g], _mm512_set1_ps(kzero[t])));
+          else
+            s[t] = _mm512_mul_ps(s[t], R::kQuantized ? _mm512_set1_ps(kmul[t]) : scale2);
           if (causal)
             s[t] = _mm512_mask_mov_ps(neg_big, _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(j0 + t))), s[t]);
           mx = _mm512_max_ps(mx, s[t]);
@@ -784,6 +886,11 @@ void prefill_avx512(const at::BFloat16* q, const typename R::T* k_cache, const t
           sum = _mm512_add_ps(sum, s[t]);
         }
         l[g] = _mm512_fmadd_ps(l[g], alpha, sum);
+        if constexpr (R::kZero) {
+          __m512 z = _mm512_mul_ps(zacc[g], alpha);
+          for (int t = 0; t < 16; ++t) z = _mm512_fmadd_ps(s[t], _mm512_set1_ps(vzero[t]), z);
+          zacc[g] = z;
+        }
         if constexpr (R::kQuantized)
           for (int t = 0; t < 16; ++t) s[t] = _mm512_mul_ps(s[t], _mm512_set1_ps(vmul[t]));
         __m512bh pp[8];
@@ -799,6 +906,9 @@ void prefill_avx512(const at::BFloat16* q, const typename R::T* k_cache, const t
         }
       }
     }
+    if constexpr (R::kZero)
+      for (int g = 0; g < G; ++g)
+        for (int d = 0; d < D; ++d) _mm512_store_ps(acc[g][d], _mm512_add_ps(_mm512_load_ps(acc[g][d]), zacc[g]));
     finish_tile<D, G>(acc, l, rows, lane, out + (q_start[p] + r0) * out_row + h * G * D, out_row);
   });
 }
@@ -1166,8 +1276,11 @@ bool is_quantized(const torch::Tensor& cache) {
   return cache.scalar_type() == torch::kChar || cache.scalar_type() == torch::kFloat8_e4m3fn;
 }
 
-// A quantized cache comes with its scales (float32 [KVH, NB, BS], contiguous, kv/cache.py's LayerCache);
-// an unquantized one without. Returns the scales' data (nullptr, nullptr for an unquantized cache).
+// A quantized cache comes with its rows' parameters (kv/quant.py's qparams, kv/cache.py's LayerCache),
+// contiguous, 4 bytes per row: fp8 float32 scales [KVH, NB, BS]; int8 float16 (scale, zero) pairs
+// [KVH, NB, BS, 2]. An unquantized cache comes without. Returns the rows' 4-byte slots (nullptr, nullptr
+// for an unquantized cache) as float pointers: fp8's are its scales; int8's are read as pairs
+// (Int8Rows::params16, int8_params) and written by quantize_row_int8.
 std::pair<float*, float*> cache_scales(const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                        const std::optional<torch::Tensor>& k_scale,
                                        const std::optional<torch::Tensor>& v_scale) {
@@ -1177,10 +1290,15 @@ std::pair<float*, float*> cache_scales(const torch::Tensor& k_cache, const torch
     return {nullptr, nullptr};
   }
   TORCH_CHECK(k_scale && v_scale, "a ", k_cache.scalar_type(), " cache needs k_scale and v_scale");
+  const bool int8 = k_cache.scalar_type() == torch::kChar;
+  std::vector<int64_t> shape(k_cache.sizes().begin(), k_cache.sizes().begin() + 3);
+  if (int8) shape.push_back(2);
   for (const torch::Tensor* t : {&*k_scale, &*v_scale})
-    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->dim() == 3 &&
-                    t->sizes() == k_cache.sizes().slice(0, 3), "scales must be contiguous float32 [KVH, NB, BS]");
-  return {k_scale->data_ptr<float>(), v_scale->data_ptr<float>()};
+    TORCH_CHECK(t->scalar_type() == (int8 ? torch::kHalf : torch::kFloat) && t->is_contiguous() &&
+                    t->sizes() == c10::IntArrayRef(shape),
+                "scales must be contiguous: float16 (scale, zero) pairs [KVH, NB, BS, 2] for int8, float32 "
+                "[KVH, NB, BS] for fp8");
+  return {static_cast<float*>(k_scale->data_ptr()), static_cast<float*>(v_scale->data_ptr())};
 }
 
 #ifdef PDSERVE_HAVE_AVX512BF16
@@ -1245,20 +1363,47 @@ inline uint8_t fp8_e4m3_code(float y) {
   return static_cast<uint8_t>(code | sign);
 }
 
-// One row quantized exactly as kv/quant.py does (the oracle): scale = max|x| / qmax, x * (1 / scale)
-// rounded to nearest even (int8 clamped to +-127), a row of zeros stored as zeros with scale 0.
-template <typename In, typename C>
-void quantize_row(const In* x, int64_t D, C* dst, float* scale) {
-  constexpr bool int8 = std::is_same_v<C, int8_t>;
+// One fp8 row quantized exactly as kv/quant.py does (the oracle): scale = max|x| / 448, x * (1 / scale)
+// rounded to the nearest code, a row of zeros stored as zeros with scale 0.
+template <typename In>
+void quantize_row(const In* x, int64_t D, at::Float8_e4m3fn* dst, float* scale) {
   float amax = 0.f;
   for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(to_float(x[d])));
-  *scale = exact_div(amax, int8 ? 127.f : 448.f);
+  *scale = exact_div(amax, 448.f);
   const float inv = *scale > 0.f ? exact_div(1.f, *scale) : 0.f;
+  for (int64_t d = 0; d < D; ++d)
+    dst[d] = at::Float8_e4m3fn(fp8_e4m3_code(to_float(x[d]) * inv), at::Float8_e4m3fn::from_bits());
+}
+
+// int8's row parameters from the row's min and max, exactly as kv/quant.py computes them: zero =
+// fp16(min), scale = fp16((max - zero) / 255), each clamped to float16's range first (beyond it a row
+// saturates rather than turning into NaN); inv = 1 / scale, or 0 for a constant row.
+constexpr float kFp16Max = 65504.f;
+inline void int8_row_params(float lo, float hi, float& s, float& z, float& inv) {
+  z = static_cast<float>(at::Half(std::min(kFp16Max, std::max(-kFp16Max, lo))));
+  s = static_cast<float>(at::Half(std::min(kFp16Max, exact_div(hi - z, 255.f))));
+  inv = s > 0.f ? exact_div(1.f, s) : 0.f;
+}
+
+// The pair (scale, zero) as float16 into a row's 4-byte slot.
+inline void store_int8_params(float* slot, float s, float z) {
+  const uint16_t h[2] = {at::Half(s).x, at::Half(z).x};
+  std::memcpy(slot, h, sizeof(h));
+}
+
+// One int8 row quantized exactly as kv/quant.py does: q = (x - zero) * (1 / scale) rounded to nearest
+// even and clamped to [0, 255], stored as q - 128; a constant row stores q = 0 with scale 0.
+template <typename In>
+void quantize_row_int8(const In* x, int64_t D, int8_t* dst, float* slot) {
+  float lo = to_float(x[0]), hi = lo;
+  for (int64_t d = 1; d < D; ++d) lo = std::min(lo, to_float(x[d])), hi = std::max(hi, to_float(x[d]));
+  float s, z, inv;
+  int8_row_params(lo, hi, s, z, inv);
   for (int64_t d = 0; d < D; ++d) {
-    const float y = to_float(x[d]) * inv;
-    if constexpr (int8) dst[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(y))));
-    else dst[d] = at::Float8_e4m3fn(fp8_e4m3_code(y), at::Float8_e4m3fn::from_bits());
+    const float q = std::min(255.f, std::max(0.f, std::nearbyint((to_float(x[d]) - z) * inv)));
+    dst[d] = static_cast<int8_t>(q - 128.f);
   }
+  store_int8_params(slot, s, z);
 }
 
 #ifdef PDSERVE_HAVE_AVX512BF16
@@ -1284,34 +1429,53 @@ inline __m512i fp8_e4m3_codes(__m512 y) {
 
 // quantize_row, 16 values at a time (D a multiple of 16): the same operations in the same order, so the
 // same bits (the horizontal max is exact in any order).
-template <typename In, typename C>
-void quantize_row_avx512(const In* x, int64_t D, C* dst, float* scale) {
-  constexpr bool int8 = std::is_same_v<C, int8_t>;
+template <typename In>
+void quantize_row_avx512(const In* x, int64_t D, at::Float8_e4m3fn* dst, float* scale) {
   __m512 amax = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; d += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load_f32x16(x + d)));
-  *scale = exact_div(_mm512_reduce_max_ps(amax), int8 ? 127.f : 448.f);
+  *scale = exact_div(_mm512_reduce_max_ps(amax), 448.f);
   const __m512 inv = _mm512_set1_ps(*scale > 0.f ? exact_div(1.f, *scale) : 0.f);
+  for (int64_t d = 0; d < D; d += 16)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d),
+                     _mm512_cvtepi32_epi8(fp8_e4m3_codes(_mm512_mul_ps(load_f32x16(x + d), inv))));
+}
+
+// quantize_row_int8, 16 values at a time (D a multiple of 16): the same operations, the same bits (min
+// and max are exact in any order).
+template <typename In>
+void quantize_row_int8_avx512(const In* x, int64_t D, int8_t* dst, float* slot) {
+  __m512 lo = load_f32x16(x), hi = lo;
+  for (int64_t d = 16; d < D; d += 16) {
+    const __m512 v = load_f32x16(x + d);
+    lo = _mm512_min_ps(lo, v), hi = _mm512_max_ps(hi, v);
+  }
+  float s, z, inv;
+  int8_row_params(_mm512_reduce_min_ps(lo), _mm512_reduce_max_ps(hi), s, z, inv);
+  const __m512 vz = _mm512_set1_ps(z), vinv = _mm512_set1_ps(inv);
   for (int64_t d = 0; d < D; d += 16) {
-    const __m512 y = _mm512_mul_ps(load_f32x16(x + d), inv);
-    __m512i codes;
-    if constexpr (int8) {
-      const __m512 r = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      codes = _mm512_cvttps_epi32(_mm512_min_ps(_mm512_set1_ps(127.f), _mm512_max_ps(_mm512_set1_ps(-127.f), r)));
-    } else {
-      codes = fp8_e4m3_codes(y);
-    }
+    const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(load_f32x16(x + d), vz), vinv),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 q = _mm512_min_ps(_mm512_set1_ps(255.f), _mm512_max_ps(_mm512_setzero_ps(), r));
+    const __m512i codes = _mm512_sub_epi32(_mm512_cvttps_epi32(q), _mm512_set1_epi32(128));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d), _mm512_cvtepi32_epi8(codes));
   }
+  store_int8_params(slot, s, z);
 }
 #endif
 
-// One row into the cache: the vector version where it applies, else the scalar one.
+// One row into the cache (slot: its 4 bytes of parameters): the vector version where it applies, else
+// the scalar one.
 template <typename In, typename C>
-void quantize_into(const In* x, int64_t D, C* dst, float* scale) {
+void quantize_into(const In* x, int64_t D, C* dst, float* slot) {
+  constexpr bool int8 = std::is_same_v<C, int8_t>;
 #ifdef PDSERVE_HAVE_AVX512BF16
-  if (D % 16 == 0) return quantize_row_avx512(x, D, dst, scale);
+  if (D % 16 == 0) {
+    if constexpr (int8) return quantize_row_int8_avx512(x, D, dst, slot);
+    else return quantize_row_avx512(x, D, dst, slot);
+  }
 #endif
-  quantize_row(x, D, dst, scale);
+  if constexpr (int8) quantize_row_int8(x, D, dst, slot);
+  else quantize_row(x, D, dst, slot);
 }
 
 
@@ -1516,7 +1680,7 @@ bool decode_int4_fast_path(bool bf16, int64_t H, int64_t KVH, int64_t D, int64_t
 }
 
 // q [B, H, D]; k_cache, v_cache [KVH, NB, BS, D] (contiguous); table [B, max_blocks] int64;
-// context_lens [B] int64 (>= 1); k_scale, v_scale [KVH, NB, BS] float32 with an int8 or fp8 cache.
+// context_lens [B] int64 (>= 1); k_scale, v_scale the rows' parameters with an int8 or fp8 cache (cache_scales).
 // Returns [B, H, D] in q's dtype.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
                            torch::Tensor context_lens, double scale, std::optional<torch::Tensor> k_scale,
@@ -1637,7 +1801,7 @@ bool paged_prefill_amx(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
 // into the fused QKV projection), caches [KVH, NB, BS, D] contiguous, slots [T] int64 (block * BS +
 // offset). One copy per (token, head) row; the same as two index_copy_ calls, without their dispatch
 // and per-call setup (~40 us each, 60 a step). An int8 or fp8 e4m3 cache quantizes each row on the way
-// (kv/quant.py's rounding, bit for bit) and writes its scale into k_scale / v_scale [KVH, NB, BS].
+// (kv/quant.py's rounding, bit for bit) and writes its parameters into k_scale / v_scale (cache_scales).
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
               std::optional<torch::Tensor> k_scale, std::optional<torch::Tensor> v_scale) {
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
