@@ -4,7 +4,9 @@ values, and the engine: greedy output close to the unquantized cache's, capacity
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import pathlib
 
 import pytest
 import torch
@@ -66,20 +68,20 @@ def test_int8_error_is_at_most_half_a_step():
     assert torch.equal(dequantize(stored, qparams, torch.float32)[const], x[const])
 
 
-def _int8_asymmetric(x: torch.Tensor) -> torch.Tensor:
-    """benchmarks/kv_int8_split.py's `int8_asymmetric`, the measurement the format was adopted from."""
-    xf = x.float()
-    zero = xf.amin(-1, keepdim=True).half().float()
-    scale = ((xf.amax(-1, keepdim=True) - zero) / 255.0).half().float()
-    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    q = ((xf - zero) * inv).round_().clamp_(0, 255)
-    return (q * scale + zero).to(x.dtype)
+def _measured_quantizer():
+    """benchmarks/kv_int8_split.py's `int8_asymmetric`, the measurement the format was adopted from, loaded
+    from the script itself so the two cannot drift apart."""
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "kv_int8_split.py"
+    spec = importlib.util.spec_from_file_location("kv_int8_split", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module.int8_asymmetric
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_is_the_measured_asymmetric_quantizer(dtype):
     x = torch.cat([_rows(64, 64), _edge_rows(64)]).to(dtype)
-    assert torch.equal(dequantize(*quantize(x, "int8"), dtype), _int8_asymmetric(x))
+    assert torch.equal(dequantize(*quantize(x, "int8"), dtype), _measured_quantizer()(x))
 
 
 def test_int8_rows_beyond_float16_saturate():
