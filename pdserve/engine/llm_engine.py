@@ -21,6 +21,7 @@ from pdserve.runner.model_runner import ModelRunner
 from pdserve.scheduler import Scheduler, make_policy
 from pdserve.spec import SpecDecodeStats, SpeculativeExecutor
 from pdserve.spec.draft import DraftModelProposer, check_same_vocab
+from pdserve.spec.length import RowCurve
 from pdserve.transfer.base import KVTransport
 from pdserve.transfer.registry import transport_class
 
@@ -174,16 +175,23 @@ class LLMEngine(EngineLoop):
         self.spec_executor: SpeculativeExecutor | None = None
         if config.speculative is not None:
             # The runner verifies the drafts a step carries; the wrapper proposes the next ones.
-            proposer, cost = None, 0.0
+            proposer, cost, draft_curve = None, 0.0, None
             if config.speculative.method == "draft":
                 proposer = self._make_draft_proposer(config.speculative, draft_model_config, draft_weights)
                 cost = proposer.cost
-            # The slack length rule reads the `slo` policy's step-time model and ITL target.
+                draft_curve = _row_curve(proposer.runner.model)
+            # The slack length rule reads the `slo` policy's step-time model and ITL target; the cost rule
+            # (any other policy) the models' measured kernel tables.
             itl = sc.slo_itl_ms / 1e3 if sc.policy == "slo" else None
+            target_curve = _row_curve(self.model)
+            if proposer is not None and draft_curve is None:
+                target_curve = None  # a draft model without its price: the fixed caps
             self.spec_executor = SpeculativeExecutor(
                 self.executor, config.speculative, proposer, cost,
                 step_model=scheduler.step_model, itl_target=itl, clock=scheduler.clock,
+                target_curve=target_curve, draft_curve=draft_curve,
             )
+            logger.info("speculation length rule: %s", self.spec_executor.length_rule)
             self.executor = self.spec_executor
         logger.info(
             "engine ready in %.1fs: %s, %s on %s, KV cache %s: %d blocks x %d tokens (%d bytes, %.2f GiB), "
@@ -301,3 +309,12 @@ class LLMEngine(EngineLoop):
                 raise ValueError(f"the {kc.backend!r} KV backend needs a transport passed to the engine")
         logger.info("KV transfer: role %s, backend %s at %s", kc.role, transport.name, transport.address)
         return KVConnector(transport, self.kv_cache, kc.ack_timeout_s, kc.lease_s)
+
+
+def _row_curve(model: LlamaModel) -> RowCurve | None:
+    """The model's projections by row count, from the linear autotune's table (None: no table, e.g. a
+    named --linear-kernel, or not on the CPU)."""
+    plan = model.linear_plan
+    if plan is None or plan.table is None:
+        return None
+    return RowCurve.from_table(plan.table.buckets, plan.table.chosen_seconds())

@@ -70,6 +70,7 @@ class DraftModelProposer:
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._state: dict[str, _DraftState] = {}
+        self.last_rows: list[int] = []  # query rows of each forward of the last `propose` (the cost rule's)
 
     @property
     def num_free_blocks(self) -> int:
@@ -98,11 +99,14 @@ class DraftModelProposer:
             ks.append(k)
             catch_up = list(r.token_ids[valid:])
             first.append(BatchRequest(r.req_id, catch_up, valid, st.blocks, True, 0, _GREEDY))
+        self.last_rows = []
         if not rows:
             return out
+        self.last_rows.append(sum(len(b.token_ids) for b in first))
         drafts = [[t] for t in self._greedy(first)]
         for j in range(1, max(ks)):
             live = [n for n, k in enumerate(ks) if k > j]
+            self.last_rows.append(len(live))
             step = [  # draft j at position L + j - 1
                 BatchRequest(first[n].req_id, [drafts[n][-1]], lens[n] + j - 1, first[n].block_ids, True, 0, _GREEDY)
                 for n in live
@@ -115,6 +119,13 @@ class DraftModelProposer:
             st.drafts = drafts[n][:-1]  # the last draft was never fed back: its KV is not cached
             out[i] = drafts[n]
         return out
+
+    def lag(self, req_id: str, seq_len: int) -> int:
+        """About how many tokens of a `seq_len`-token sequence the next proposal's first forward runs for
+        `req_id`: the whole sequence if the draft has never seen it, else what came since its last
+        proposal (1 + the accepted drafts when it proposed last step; more after steps without drafts)."""
+        st = self._state.get(req_id)
+        return seq_len if st is None else max(1, seq_len - st.seq_len)
 
     def release(self, req_id: str) -> None:
         st = self._state.pop(req_id, None)

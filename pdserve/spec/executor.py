@@ -13,7 +13,14 @@ from pdserve.engine.executor import Executor
 from pdserve.request import Request
 from pdserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 from pdserve.scheduler.step_model import StepTimeModel
-from pdserve.spec.length import SpecLengthController, StepCost, choose_lengths
+from pdserve.spec.length import (
+    RowCurve,
+    SpecLengthController,
+    StepCost,
+    choose_lengths,
+    choose_lengths_by_cost,
+    expected_tokens,
+)
 from pdserve.spec.ngram import NgramProposer
 from pdserve.spec.proposer import DraftRequest, Proposer
 from pdserve.spec.stats import SpecDecodeStats
@@ -25,8 +32,10 @@ def make_proposer(config: SpeculativeConfig) -> Proposer:
     raise ValueError(f"no proposer for speculative method {config.method!r}")
 
 
-# The acceptance rule's compute-bound caps when the config sets none (requests, tokens per step).
+# The acceptance rule's compute-bound caps when the config sets none and no cost curve is known
+# (requests, tokens per step).
 ACCEPTANCE_RULE_CAPS = (32, 512)
+OVERHEAD_EMA = 0.2  # weight of the newest step in the cost rule's estimates of the unmodelled time
 
 
 class SpeculativeExecutor:
@@ -35,7 +44,12 @@ class SpeculativeExecutor:
 
     Lengths: each request's acceptance-only length (`SpecLengthController`), then, where the slack rule
     runs (`length_rule` "slack", adaptive, and a `step_model` given), `choose_lengths` over the whole
-    step with the model's cost of a verified draft token and each request's latency budget."""
+    step with the model's cost of a verified draft token and each request's latency budget; elsewhere,
+    given the target's measured `target_curve` (adaptive, no fixed caps in the config), the cost rule
+    `choose_lengths_by_cost` over the whole step: the curves price the extra rows of the target's
+    verification and of the draft model's forwards (`draft_curve`), and what the curves leave out of a
+    step (attention, elementwise ops, sampling, the loop) is measured here, an EMA of each step's
+    wall time minus its curve time (the draft's per forward). Without a curve: the fixed caps."""
 
     def __init__(
         self,
@@ -47,11 +61,14 @@ class SpeculativeExecutor:
         step_model: StepTimeModel | None = None,
         itl_target: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        target_curve: RowCurve | None = None,
+        draft_curve: RowCurve | None = None,
     ) -> None:
         """`draft_cost`: one proposal step's time in target steps (a draft model's; see SpecLengthController).
         `step_model`: the scheduler's (`Scheduler.step_model`, the `slo` policy's), None without one;
         `itl_target`: the longest step (seconds) a request without its own `slo_itl_ms` tolerates, None
-        for none; `clock`: that of `Request.first_token_time`, for TPOT budgets."""
+        for none; `clock`: that of `Request.first_token_time`, for TPOT budgets. `target_curve`,
+        `draft_curve`: the models' projections by row count (`RowCurve`; None where not measured)."""
         self.inner = inner
         self.config = config
         self.proposer = proposer if proposer is not None else make_proposer(config)
@@ -68,12 +85,27 @@ class SpeculativeExecutor:
         self.itl_target = itl_target
         self.tpot_target = config.slo_tpot_ms / 1e3 if config.slo_tpot_ms is not None else None
         self.clock = clock
-        default_caps = (None, None) if slack else ACCEPTANCE_RULE_CAPS
+        fixed_caps = config.disable_by_batch_size is not None or config.disable_by_num_tokens is not None
+        by_cost = not slack and config.adaptive and target_curve is not None and not fixed_caps
+        self.target_curve = target_curve if by_cost else None
+        self.draft_curve = draft_curve if by_cost else None
+        self.overhead: float | None = None  # seconds of a target step outside its curve (EMA)
+        self.draft_overhead: float | None = None  # seconds of a draft forward outside its curve (EMA)
+        default_caps = (None, None) if slack or by_cost else ACCEPTANCE_RULE_CAPS
         self.max_batch_size = config.disable_by_batch_size or default_caps[0]
         self.max_num_tokens = config.disable_by_num_tokens or default_caps[1]
 
+    @property
+    def length_rule(self) -> str:
+        """The rule in force: "slack", "cost" or "acceptance" (fixed caps)."""
+        return "slack" if self.step_model is not None else "cost" if self.target_curve is not None else "acceptance"
+
     def execute(self, out: SchedulerOutput, after_layer: Callable[[int], None] | None = None) -> ModelOutput:
+        t0 = time.perf_counter()
         result = self.inner.execute(out, after_layer)
+        if self.target_curve is not None and out.num_batched_tokens > 0:
+            rest = max(0.0, time.perf_counter() - t0 - self.target_curve(out.num_batched_tokens))
+            self.overhead = rest if self.overhead is None else _ema(self.overhead, rest)
         sampling = [s for s in out.scheduled if s.samples]
         for s, tokens in zip(sampling, result.token_ids):
             k = s.num_spec_tokens
@@ -86,13 +118,59 @@ class SpeculativeExecutor:
         lengths = [self._length(s.req) for s in sampling]
         if self.step_model is not None and sampling:
             lengths = self._slack_lengths(out, sampling, result.token_ids, lengths)
+        elif self.target_curve is not None and sampling:
+            lengths = self._cost_lengths(out, sampling, result.token_ids, lengths)
         self.stats.observe_lengths([k for s, k in zip(sampling, lengths) if self._continues(s.req)])
         asks = [
             DraftRequest(s.req.req_id, s.req.all_token_ids() + tokens, k)
             for s, tokens, k in zip(sampling, result.token_ids, lengths)
         ]
+        t0 = time.perf_counter()
         result.spec_token_ids = self.proposer.propose(asks)
+        self._observe_draft(time.perf_counter() - t0)
         return result
+
+    def _cost_lengths(
+        self, out: SchedulerOutput, sampling: list[ScheduledRequest], sampled: list[list[int]], caps: list[int]
+    ) -> list[int]:
+        """The cost rule. The next step is taken to be this one with every sampling request that continues
+        at one decode token and every request still in its prompt at another chunk of this step's size.
+
+        A draft model that is behind on a request (its prompt the first time; everything since it last
+        drafted for it) runs those tokens before the first draft: that catch-up, priced on the draft curve
+        beyond the usual 1 + accepted tokens, is paid once and buys drafts for the rest of the request,
+        so it is spread over the steps the request has left (its remaining max_tokens over the tokens
+        a step yields at its length). A request near its end is not worth catching up; a fresh one is."""
+        assert self.target_curve is not None
+        rows = sum(1 for s in sampling if self._continues(s.req))
+        rows += sum(s.num_new_tokens for s in out.scheduled if not s.samples)
+        acceptances = [self.lengths.acceptance(s.req.req_id) for s in sampling]
+        lag = getattr(self.proposer, "lag", None)
+        first_costs = None
+        if lag is not None and self.draft_curve is not None:
+            curve = self.draft_curve
+            first_costs = []
+            for s, tokens, cap, a in zip(sampling, sampled, caps, acceptances):
+                behind = lag(s.req.req_id, s.req.num_tokens + len(tokens)) - (cap + 1)
+                if cap == 0 or behind <= 0:
+                    first_costs.append(0.0)
+                    continue
+                left = s.req.params.max_tokens - s.req.num_output_tokens - len(tokens)
+                steps = max(1.0, left / expected_tokens(a, cap))
+                first_costs.append((curve(behind + 1) - curve(1)) / steps)
+        return choose_lengths_by_cost(
+            caps, acceptances, rows=rows, target=self.target_curve, overhead=self.overhead or 0.0,
+            draft=self.draft_curve, draft_overhead=self.draft_overhead or 0.0, first_costs=first_costs,
+        )
+
+    def _observe_draft(self, seconds: float) -> None:
+        """Learn a draft forward's time outside the draft curve from the proposer's last call (its
+        `last_rows`: query rows per sequential forward; n-gram lookups have none)."""
+        rows = getattr(self.proposer, "last_rows", None)
+        if self.draft_curve is None or not rows:
+            return
+        rest = max(0.0, seconds - sum(self.draft_curve(r) for r in rows)) / len(rows)
+        self.draft_overhead = rest if self.draft_overhead is None else _ema(self.draft_overhead, rest)
 
     def propose_received(self, reqs: Sequence[Request], num_running: int) -> list[list[int]]:
         """First drafts of requests whose prompt and first token came from a prefill instance: the same
@@ -166,3 +244,7 @@ class SpeculativeExecutor:
 
     def skip_draws(self, req: Request, num_draws: int) -> None:
         self.inner.skip_draws(req, num_draws)
+
+
+def _ema(old: float, new: float) -> float:
+    return (1.0 - OVERHEAD_EMA) * old + OVERHEAD_EMA * new

@@ -6,11 +6,15 @@ model's cost of a verified draft token and every request's latency budgets for t
 ITL target, which the whole step must fit, and its own TPOT slack, which bounds its own drafts), it
 picks the lengths that maximize expected tokens per second of the step (0 for all once the batch is
 compute-bound, fewer when the step's tightest ITL is at risk, fewer for a request behind its TPOT).
-`SpeculativeExecutor` calls both."""
+`choose_lengths_by_cost` is the cost rule, for every other policy: the same goodput, priced by the
+models' own measured kernel tables (`RowCurve`: a forward's projections at n query rows, target and
+draft model) plus the measured rest of the step, with no latency targets.
+`SpeculativeExecutor` calls them."""
 
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -141,3 +145,116 @@ def _own_cap(cap: int, own_budget: float | None, cost: StepCost) -> int:
     if room <= 0:
         return 0
     return cap if cost.per_token <= 0 else min(cap, math.floor(room / cost.per_token))
+
+
+@dataclass(frozen=True, slots=True)
+class RowCurve:
+    """Seconds of one forward's projections and output head at n query rows: the linear autotune's
+    measured full passes with the chosen kernels (`TuneTable.chosen_seconds`, each weight cold as in a
+    real step), linear between its row counts and along the last segment beyond them. Flat at decode
+    sizes (the weights' bytes), then rising as the GEMMs turn compute-bound: the curve says how much a
+    step's extra draft rows really cost on this host."""
+
+    rows: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.rows) < 2 or len(self.rows) != len(self.seconds) or list(self.rows) != sorted(set(self.rows)):
+            raise ValueError("a RowCurve needs >= 2 increasing row counts, one time each")
+        if any(not (math.isfinite(t) and t >= 0) for t in self.seconds) or self.rows[0] < 1:
+            raise ValueError("a RowCurve's times must be finite and >= 0, its row counts >= 1")
+
+    @classmethod
+    def from_table(cls, buckets: Sequence[int], seconds: Sequence[float]) -> RowCurve | None:
+        """From a tune table's buckets and chosen seconds; None where a time is missing (not measured)."""
+        if len(buckets) < 2 or any(not math.isfinite(t) for t in seconds):
+            return None
+        return cls(tuple(buckets), tuple(seconds))
+
+    def __call__(self, n: float) -> float:
+        if n <= 0:
+            return 0.0
+        r, t = self.rows, self.seconds
+        if n <= r[0]:
+            return t[0]
+        i = min(bisect_left(r, n), len(r) - 1)  # the segment [r[i-1], r[i]] holds n (or extends past r[-1])
+        slope = (t[i] - t[i - 1]) / (r[i] - r[i - 1])
+        return max(0.0, t[i - 1] + slope * (n - r[i - 1]))
+
+
+def choose_lengths_by_cost(
+    caps: Sequence[int],
+    acceptances: Sequence[float],
+    *,
+    rows: int,
+    target: RowCurve,
+    overhead: float,
+    draft: RowCurve | None = None,
+    draft_overhead: float = 0.0,
+    first_costs: Sequence[float] | None = None,
+) -> list[int]:
+    """Each request's drafts for the next step, k_i in 0..caps[i] (caps[i] 0: the request does not run
+    again), maximizing expected tokens per second
+
+        sum_i expected_tokens(a_i, k_i) / (overhead + target(rows + K) + draft part),   K = sum_i k_i
+
+    where `rows` is the next step's query rows without drafts (its decodes and prompt chunks), `target`
+    the target model's projections at that many rows, `overhead` the rest of a step (attention,
+    elementwise ops, sampling, the loop) and, for a draft model, the draft part sum_j (draft_overhead +
+    draft(n_j)) over its sequential forwards j = 1..max k_i, n_j being the requests drafting at least j
+    tokens (none when K = 0), plus `first_costs[i]` (seconds) when request i drafts at all: what its
+    draft has to catch up first, e.g. its prompt, as the caller prices it. Pure.
+
+    The j-th draft of request i adds a_i**j expected tokens; the allocations tried are the prefixes of
+    all drafts sorted by that gain (for any K the K largest gains are the best for the target's part)
+    and the best one wins, the empty one included: where the curve has turned compute-bound, or a draft
+    model's forwards cost more than the tokens they buy, every length is 0. (Exact without first costs,
+    tested against exhaustive search; a request with a first cost joins only if its whole length,
+    catch-up included, raises the rate where its first draft comes up, else it sits the step out.)"""
+    n = len(caps)
+    acc = [min(max(a, 0.0), 1.0) for a in acceptances]
+    gains = sorted(
+        ((acc[i] ** j, j, i) for i, cap in enumerate(caps) for j in range(1, cap + 1)),
+        key=lambda g: (-g[0], g[1], g[2]),
+    )
+    tokens = float(sum(1 for c in caps if c > 0))
+    base = overhead + target(rows)
+    best_rate = tokens / base if base > 0 else math.inf
+    drafting = [0] * (max(caps, default=0) + 1)  # n_j: requests with at least j drafts
+    draft_time = 0.0
+    taken: list[int] = []  # the request of each draft added, in order
+    best_k, skipped = 0, set()
+
+    def draft_step(j: int) -> float:  # what one more request drafting a j-th token adds to the draft
+        if draft is None:
+            return 0.0
+        nj = drafting[j]
+        return draft(nj + 1) - draft(nj) + (draft_overhead if nj == 0 else 0.0)
+
+    for gain, j, i in gains:
+        if gain <= 0.0:
+            break
+        if i in skipped:
+            continue
+        first = first_costs[i] if first_costs is not None and j == 1 else 0.0
+        if first > 0.0:  # a catch-up is all or nothing: worth it only with the request's whole length
+            k = len(taken)
+            step = overhead + target(rows + k) + draft_time
+            extra_t = first + target(rows + k + caps[i]) - target(rows + k)
+            extra_t += sum(draft_step(jj) for jj in range(1, caps[i] + 1))
+            extra = sum(acc[i] ** jj for jj in range(1, caps[i] + 1))
+            if (tokens + extra) * step <= tokens * (step + extra_t):
+                skipped.add(i)
+                continue
+        tokens += gain
+        draft_time += draft_step(j) + first
+        drafting[j] += 1
+        taken.append(i)
+        step = overhead + target(rows + len(taken)) + draft_time
+        rate = tokens / step if step > 0 else math.inf
+        if rate > best_rate:
+            best_rate, best_k = rate, len(taken)
+    lengths = [0] * n
+    for i in taken[:best_k]:
+        lengths[i] += 1
+    return lengths

@@ -151,3 +151,27 @@ def test_rolled_back_draft_cache_proposes_as_a_fresh_one(make_draft_llm, prompts
             seq += [7 + step, 9, 11]  # tokens decoded while nothing was proposed
     p.release("a")
     assert p.num_free_blocks == p.num_blocks
+
+
+def test_bf16_engine_prices_speculation_by_its_kernel_tables(tiny_weights, prompts, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """In bf16 on the CPU both models' linears are tuned: the executor takes the cost rule with the two
+    measured curves (no fixed caps), learns the rest of a step, and greedy output stays plain decoding's."""
+    from pdserve import LLM
+
+    def llm(**kw):  # type: ignore[no-untyped-def]
+        return LLM(dtype="bfloat16", device="cpu", model_config=TINY, weights=tiny_weights, num_blocks=128,
+                   block_size=4, kernel_cache_dir=str(tmp_path), **kw)
+
+    want = tokens(llm(), prompts)
+    cfg, w = first_layers(TINY, tiny_weights, 1)
+    spec_llm = llm(speculative_config=DRAFT, draft_model_config=cfg, draft_weights=w)
+    ex = spec_llm.engine.spec_executor
+    assert ex.length_rule == "cost" and ex.max_batch_size is None and ex.max_num_tokens is None
+    table = spec_llm.engine.model.linear_plan.table
+    assert ex.target_curve.rows == tuple(table.buckets)
+    assert ex.target_curve.seconds == pytest.approx(table.chosen_seconds())
+    assert ex.draft_curve is not None and ex.draft_curve.rows == ex.target_curve.rows
+    assert tokens(spec_llm, prompts) == want
+    assert ex.overhead is not None
+    fixed = llm(speculative_config={**DRAFT, "disable_by_batch_size": 8}, draft_model_config=cfg, draft_weights=w)
+    assert fixed.engine.spec_executor.length_rule == "acceptance"
