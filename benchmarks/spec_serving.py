@@ -3,13 +3,16 @@
     .venv/bin/python benchmarks/spec_serving.py [--workloads sharegpt,code-edit] [--concurrency 1,4,16,64]
         [--model NAME] [--speculative-config JSON] [--slo tpot=MS | --slo-tpot-factor 3] [--out r.json]
     .venv/bin/python benchmarks/spec_serving.py --quick          # a tiny smoke run
+    .venv/bin/python benchmarks/spec_serving.py --abba ...       # off, on, on, off per point
     .venv/bin/python benchmarks/spec_serving.py --model qwen2.5-coder-1.5b-instruct \\
         --draft-model qwen2.5-coder-0.5b-instruct --workloads code-edit --concurrency 1,4,16
 
 For each workload and concurrency this is one `pdserve bench compare` (`pdserve/bench/compare.py`) of two
 modes: a fresh `pdserve serve` without speculation, then a fresh one with `--speculative-config` (the
 `spec-ngram` preset, n-gram k = 4, unless --speculative-config or --draft-model is given), each sent the
-same seeded requests at `--max-concurrency` = the concurrency, all due at once. Workloads: ShareGPT on
+same seeded requests at `--max-concurrency` = the concurrency, all due at once. `--abba` runs each point
+off, on, on, off and reports each mode's mean over its two runs (speed that drifts during a point then
+weighs on both modes alike; acceptance is the first "on" run's). Workloads: ShareGPT on
 /v1/completions and the bench's code-edit dataset on /v1/chat/completions. Requests per point scale with
 the concurrency: min(cap, max(min, per_stream x concurrency)); output lengths are capped
 (`--max-output-len`) so that a run fits its time.
@@ -48,12 +51,19 @@ OFF = Preset("off", (), "no speculation")
 
 @dataclass(frozen=True, slots=True)
 class Point:
-    """One workload at one concurrency: the same requests without and with speculation."""
+    """One workload at one concurrency: the same requests without and with speculation (`--abba`: a
+    second run of each, in the order off, on, on, off)."""
 
     workload: str
     concurrency: int
     off: BenchResult
     on: BenchResult
+    off2: BenchResult | None = None
+    on2: BenchResult | None = None
+
+    def runs(self, mode: str) -> list[BenchResult]:
+        first, second = (self.off, self.off2) if mode == "off" else (self.on, self.on2)
+        return [first] if second is None else [first, second]
 
 
 def num_requests_for(concurrency: int, minimum: int = 8, per_stream: int = 4, cap: int = 128) -> int:
@@ -77,6 +87,11 @@ def _judged(result: BenchResult, slo: SLO | None) -> BenchMetrics:
     return compute_metrics(result.records, m.duration_s, slo) if slo is not None else m
 
 
+def _mean(values: Sequence[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
+
+
 def _ratio(on: float | None, off: float | None) -> float | None:
     if on is None or off is None or not off > 0:
         return None
@@ -88,7 +103,9 @@ def summarize(points: Sequence[Point], slos: dict[str, SLO]) -> list[dict]:
     rows = []
     for p in points:
         slo = slos.get(p.workload)
-        off, on = _judged(p.off, slo), _judged(p.on, slo)
+        offs = [_judged(r, slo) for r in p.runs("off")]
+        ons = [_judged(r, slo) for r in p.runs("on")]
+        off = offs[0]
         spec = p.on.spec_decode
         row = {
             "workload": p.workload,
@@ -108,8 +125,12 @@ def summarize(points: Sequence[Point], slos: dict[str, SLO]) -> list[dict]:
             "goodput_req_s": lambda m: m.goodput,
             "failed": lambda m: m.failed,
         }
-        for name, get in figures.items():
-            row[f"{name}_off"], row[f"{name}_on"] = get(off), get(on)
+        for name, get in figures.items():  # with --abba, each the mean over the mode's two runs (failed: sum)
+            agg = (lambda v: sum(x or 0 for x in v)) if name == "failed" else _mean
+            row[f"{name}_off"], row[f"{name}_on"] = agg([get(m) for m in offs]), agg([get(m) for m in ons])
+        if len(offs) > 1 or len(ons) > 1:
+            row["req_s_runs_off"] = [m.request_throughput for m in offs]
+            row["req_s_runs_on"] = [m.request_throughput for m in ons]
         row["req_s_ratio"] = _ratio(row["req_s_on"], row["req_s_off"])
         row["out_tok_s_ratio"] = _ratio(row["out_tok_s_on"], row["out_tok_s_off"])
         row["goodput_ratio"] = _ratio(row["goodput_req_s_on"], row["goodput_req_s_off"])
@@ -159,16 +180,28 @@ Measure = Callable[[str, int, Sequence[Preset]], list[BenchResult]]
 
 
 def run_points(workloads: Sequence[str], concurrencies: Sequence[int], on: Preset, measure: Measure,
-               log: Callable[[str], None] = print) -> list[Point]:
+               log: Callable[[str], None] = print, abba: bool = False) -> list[Point]:
+    """Each point's modes, a fresh server each: off then on, or with `abba` off, on, on, off (a host whose
+    speed drifts during a point then weighs on both modes alike)."""
     points = []
     for workload in workloads:
         for c in concurrencies:
             t0 = time.monotonic()
-            off_result, on_result = measure(workload, c, [OFF, on])
-            points.append(Point(workload, c, off_result, on_result))
-            log(f"[{workload} c={c}] {off_result.metrics.request_throughput:.3f} -> "
-                f"{on_result.metrics.request_throughput:.3f} req/s ({time.monotonic() - t0:.0f} s)")
+            if abba:
+                off1, on1, on2, off2 = measure(workload, c, [OFF, on, replace(on, name="on-2"),
+                                                             replace(OFF, name="off-2")])
+                points.append(Point(workload, c, off1, on1, off2, on2))
+            else:
+                off1, on1 = measure(workload, c, [OFF, on])
+                points.append(Point(workload, c, off1, on1))
+            req_s = " / ".join(f"{r.metrics.request_throughput:.3f}" for r in measure_order(points[-1]))
+            log(f"[{workload} c={c}] req/s {req_s} ({'off, on, on, off' if abba else 'off, on'}; "
+                f"{time.monotonic() - t0:.0f} s)")
     return points
+
+
+def measure_order(p: Point) -> list[BenchResult]:
+    return [p.off, p.on] if p.off2 is None else [p.off, p.on, p.on2, p.off2]  # type: ignore[list-item]
 
 
 def compare_measure(args: argparse.Namespace, tokenizer) -> Measure:  # type: ignore[no-untyped-def]
@@ -237,6 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--server-timeout-s", type=float, default=900.0,
                     help="a server's first start on a host builds the C++ kernels and autotunes (minutes)")
     ap.add_argument("--quick", action="store_true", help="smoke run: code-edit at 1 and 4, 4 requests of 32 tokens")
+    ap.add_argument("--abba", action="store_true",
+                    help="run each point off, on, on, off and report each mode's mean (for drifting hosts)")
     ap.add_argument("--out", default=None, metavar="PATH", help="write the rows, the host and the config as JSON")
     args = ap.parse_args(argv)
     if args.quick:
@@ -265,22 +300,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokenizer = load_tokenizer(resolve_model_path(args.model))
     t0 = time.monotonic()
     points = run_points(workloads, concurrencies, on, compare_measure(args, tokenizer),
-                        log=lambda s: print(s, file=sys.stderr, flush=True))
+                        log=lambda s: print(s, file=sys.stderr, flush=True), abba=args.abba)
     if args.slo is not None:
         slos, factor = {w: parse_slo(args.slo) for w in workloads}, None
     else:
         slos, factor = default_slos(points, args.slo_tpot_factor), args.slo_tpot_factor
     rows = summarize(points, slos)
-    print(f"model {args.model}; on = {' '.join(on.args)}; a fresh server per mode and point; "
+    runs = "off, on, on, off, each cell the mean of a mode's two runs" if args.abba else "off then on"
+    print(f"model {args.model}; on = {' '.join(on.args)}; a fresh server per mode and point ({runs}); "
           f"cells off / on, ratios on / off; {time.monotonic() - t0:.0f} s")
     print(format_table(rows))
     print(slo_note(slos, factor))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"host": host, "config": vars(args), "on_args": list(on.args), "rows": rows,
-                       "durations_s": {f"{p.workload}/{p.concurrency}": {"off": p.off.metrics.duration_s,
-                                                                   "on": p.on.metrics.duration_s}
-                                 for p in points}},
+                       "durations_s": {f"{p.workload}/{p.concurrency}": {
+                           mode: [r.metrics.duration_s for r in p.runs(mode)] for mode in ("off", "on")}
+                           for p in points}},
                       f, indent=2, default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x))
     return 0
 

@@ -14,6 +14,7 @@ from pdserve.request import Request
 from pdserve.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 from pdserve.scheduler.step_model import StepTimeModel
 from pdserve.spec.length import (
+    ResidualFit,
     RowCurve,
     SpecLengthController,
     StepCost,
@@ -35,7 +36,7 @@ def make_proposer(config: SpeculativeConfig) -> Proposer:
 # The acceptance rule's compute-bound caps when the config sets none and no cost curve is known
 # (requests, tokens per step).
 ACCEPTANCE_RULE_CAPS = (32, 512)
-OVERHEAD_EMA = 0.2  # weight of the newest step in the cost rule's estimates of the unmodelled time
+OVERHEAD_EMA = 0.2  # weight of the newest draft forward in the estimate of its time outside the curve
 
 
 class SpeculativeExecutor:
@@ -48,8 +49,9 @@ class SpeculativeExecutor:
     given the target's measured `target_curve` (adaptive, no fixed caps in the config), the cost rule
     `choose_lengths_by_cost` over the whole step: the curves price the extra rows of the target's
     verification and of the draft model's forwards (`draft_curve`), and what the curves leave out of a
-    step (attention, elementwise ops, sampling, the loop) is measured here, an EMA of each step's
-    wall time minus its curve time (the draft's per forward). Without a curve: the fixed caps."""
+    step (attention, elementwise ops, sampling, the loop) is measured here: a fit of each decode step's
+    wall time minus its curve time against its rows (`ResidualFit`), and for the draft an EMA per
+    forward. Without a curve: the fixed caps."""
 
     def __init__(
         self,
@@ -89,7 +91,7 @@ class SpeculativeExecutor:
         by_cost = not slack and config.adaptive and target_curve is not None and not fixed_caps
         self.target_curve = target_curve if by_cost else None
         self.draft_curve = draft_curve if by_cost else None
-        self.overhead: float | None = None  # seconds of a target step outside its curve (EMA)
+        self.residual = ResidualFit()  # seconds of a decode step outside its curve, by its rows
         self.draft_overhead: float | None = None  # seconds of a draft forward outside its curve (EMA)
         default_caps = (None, None) if slack or by_cost else ACCEPTANCE_RULE_CAPS
         self.max_batch_size = config.disable_by_batch_size or default_caps[0]
@@ -98,14 +100,16 @@ class SpeculativeExecutor:
     @property
     def length_rule(self) -> str:
         """The rule in force: "slack", "cost" or "acceptance" (fixed caps)."""
-        return "slack" if self.step_model is not None else "cost" if self.target_curve is not None else "acceptance"
+        if self.step_model is not None:
+            return "slack"
+        return "cost" if self.target_curve is not None else "acceptance"
 
     def execute(self, out: SchedulerOutput, after_layer: Callable[[int], None] | None = None) -> ModelOutput:
         t0 = time.perf_counter()
         result = self.inner.execute(out, after_layer)
-        if self.target_curve is not None and out.num_batched_tokens > 0:
-            rest = max(0.0, time.perf_counter() - t0 - self.target_curve(out.num_batched_tokens))
-            self.overhead = rest if self.overhead is None else _ema(self.overhead, rest)
+        if self.target_curve is not None and out.num_batched_tokens > 0 and out.num_prefill_tokens == 0:
+            rows = out.num_batched_tokens  # decodes and drafts only: prompt chunks' rows cost otherwise
+            self.residual.observe(rows, time.perf_counter() - t0 - self.target_curve(rows))
         sampling = [s for s in out.scheduled if s.samples]
         for s, tokens in zip(sampling, result.token_ids):
             k = s.num_spec_tokens
@@ -131,7 +135,11 @@ class SpeculativeExecutor:
         return result
 
     def _cost_lengths(
-        self, out: SchedulerOutput, sampling: list[ScheduledRequest], sampled: list[list[int]], caps: list[int]
+        self,
+        out: SchedulerOutput,
+        sampling: list[ScheduledRequest],
+        sampled: list[list[int]],
+        caps: list[int],
     ) -> list[int]:
         """The cost rule. The next step is taken to be this one with every sampling request that continues
         at one decode token and every request still in its prompt at another chunk of this step's size.
@@ -158,8 +166,9 @@ class SpeculativeExecutor:
                 left = s.req.params.max_tokens - s.req.num_output_tokens - len(tokens)
                 steps = max(1.0, left / expected_tokens(a, cap))
                 first_costs.append((curve(behind + 1) - curve(1)) / steps)
+        overhead, per_row = self.residual.coefficients
         return choose_lengths_by_cost(
-            caps, acceptances, rows=rows, target=self.target_curve, overhead=self.overhead or 0.0,
+            caps, acceptances, rows=rows, target=self.target_curve, overhead=overhead, per_row=per_row,
             draft=self.draft_curve, draft_overhead=self.draft_overhead or 0.0, first_costs=first_costs,
         )
 

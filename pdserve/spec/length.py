@@ -159,7 +159,8 @@ class RowCurve:
     seconds: tuple[float, ...]
 
     def __post_init__(self) -> None:
-        if len(self.rows) < 2 or len(self.rows) != len(self.seconds) or list(self.rows) != sorted(set(self.rows)):
+        rows = list(self.rows)
+        if len(rows) < 2 or len(rows) != len(self.seconds) or rows != sorted(set(rows)):
             raise ValueError("a RowCurve needs >= 2 increasing row counts, one time each")
         if any(not (math.isfinite(t) and t >= 0) for t in self.seconds) or self.rows[0] < 1:
             raise ValueError("a RowCurve's times must be finite and >= 0, its row counts >= 1")
@@ -182,6 +183,51 @@ class RowCurve:
         return max(0.0, t[i - 1] + slope * (n - r[i - 1]))
 
 
+class ResidualFit:
+    """What a step takes beyond its projections' curve, as `a + b * rows` seconds: attention over the
+    extra query rows, the elementwise ops, the output head's softmax and the verification grow with the
+    rows (b), the loop's fixed work does not (a). Least squares over the steps seen, each older step
+    weighted `forgetting` times less; both coefficients kept >= 0. Until the rows have varied (a spread of
+    under one row) it is the weighted mean with b = 0."""
+
+    def __init__(self, forgetting: float = 0.95) -> None:
+        if not 0.0 < forgetting <= 1.0:
+            raise ValueError("forgetting must be in (0, 1]")
+        self.forgetting = forgetting
+        self._w = self._x = self._xx = self._y = self._xy = 0.0
+        self.num_observations = 0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if not (math.isfinite(seconds) and rows > 0):
+            return
+        f = self.forgetting
+        self._w = f * self._w + 1.0
+        self._x = f * self._x + rows
+        self._xx = f * self._xx + rows * rows
+        self._y = f * self._y + seconds
+        self._xy = f * self._xy + rows * seconds
+        self.num_observations += 1
+
+    @property
+    def coefficients(self) -> tuple[float, float]:
+        """(a, b): seconds per step and per query row."""
+        if self._w <= 0.0:
+            return 0.0, 0.0
+        mx, my = self._x / self._w, self._y / self._w
+        var = self._xx / self._w - mx * mx
+        if var < 1.0:
+            return max(0.0, my), 0.0
+        b = max(0.0, (self._xy / self._w - mx * my) / var)
+        a = my - b * mx
+        if a < 0.0:  # through the origin instead
+            return 0.0, max(0.0, self._xy / self._xx)
+        return a, b
+
+    def __call__(self, rows: int) -> float:
+        a, b = self.coefficients
+        return a + b * rows
+
+
 def choose_lengths_by_cost(
     caps: Sequence[int],
     acceptances: Sequence[float],
@@ -189,6 +235,7 @@ def choose_lengths_by_cost(
     rows: int,
     target: RowCurve,
     overhead: float,
+    per_row: float = 0.0,
     draft: RowCurve | None = None,
     draft_overhead: float = 0.0,
     first_costs: Sequence[float] | None = None,
@@ -196,14 +243,15 @@ def choose_lengths_by_cost(
     """Each request's drafts for the next step, k_i in 0..caps[i] (caps[i] 0: the request does not run
     again), maximizing expected tokens per second
 
-        sum_i expected_tokens(a_i, k_i) / (overhead + target(rows + K) + draft part),   K = sum_i k_i
+        sum_i expected_tokens(a_i, k_i) / (overhead + per_row (rows + K) + target(rows + K) + draft part)
 
-    where `rows` is the next step's query rows without drafts (its decodes and prompt chunks), `target`
-    the target model's projections at that many rows, `overhead` the rest of a step (attention,
-    elementwise ops, sampling, the loop) and, for a draft model, the draft part sum_j (draft_overhead +
-    draft(n_j)) over its sequential forwards j = 1..max k_i, n_j being the requests drafting at least j
-    tokens (none when K = 0), plus `first_costs[i]` (seconds) when request i drafts at all: what its
-    draft has to catch up first, e.g. its prompt, as the caller prices it. Pure.
+    with K = sum_i k_i, where `rows` is the next step's query rows without drafts (its decodes and prompt
+    chunks), `target` the target model's projections at that many rows, `overhead + per_row * rows` the
+    rest of a step (`ResidualFit`: attention, elementwise ops, sampling, the loop) and, for a draft
+    model, the draft part sum_j (draft_overhead + draft(n_j)) over its sequential forwards j = 1..max k_i,
+    n_j being the requests drafting at least j tokens (none when K = 0), plus `first_costs[i]` (seconds)
+    when request i drafts at all: what its draft has to catch up first, e.g. its prompt, as the caller
+    prices it. Pure; one pass over the sum(caps) candidate drafts after a sort.
 
     The j-th draft of request i adds a_i**j expected tokens; the allocations tried are the prefixes of
     all drafts sorted by that gain (for any K the K largest gains are the best for the target's part)
@@ -218,7 +266,11 @@ def choose_lengths_by_cost(
         key=lambda g: (-g[0], g[1], g[2]),
     )
     tokens = float(sum(1 for c in caps if c > 0))
-    base = overhead + target(rows)
+
+    def target_step(k: int) -> float:
+        return overhead + per_row * (rows + k) + target(rows + k)
+
+    base = target_step(0)
     best_rate = tokens / base if base > 0 else math.inf
     drafting = [0] * (max(caps, default=0) + 1)  # n_j: requests with at least j drafts
     draft_time = 0.0
@@ -239,8 +291,8 @@ def choose_lengths_by_cost(
         first = first_costs[i] if first_costs is not None and j == 1 else 0.0
         if first > 0.0:  # a catch-up is all or nothing: worth it only with the request's whole length
             k = len(taken)
-            step = overhead + target(rows + k) + draft_time
-            extra_t = first + target(rows + k + caps[i]) - target(rows + k)
+            step = target_step(k) + draft_time
+            extra_t = first + target_step(k + caps[i]) - target_step(k)
             extra_t += sum(draft_step(jj) for jj in range(1, caps[i] + 1))
             extra = sum(acc[i] ** jj for jj in range(1, caps[i] + 1))
             if (tokens + extra) * step <= tokens * (step + extra_t):
@@ -250,7 +302,7 @@ def choose_lengths_by_cost(
         draft_time += draft_step(j) + first
         drafting[j] += 1
         taken.append(i)
-        step = overhead + target(rows + len(taken)) + draft_time
+        step = target_step(len(taken)) + draft_time
         rate = tokens / step if step > 0 else math.inf
         if rate > best_rate:
             best_rate, best_k = rate, len(taken)

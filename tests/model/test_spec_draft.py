@@ -172,6 +172,6 @@ def test_bf16_engine_prices_speculation_by_its_kernel_tables(tiny_weights, promp
     assert ex.target_curve.seconds == pytest.approx(table.chosen_seconds())
     assert ex.draft_curve is not None and ex.draft_curve.rows == ex.target_curve.rows
     assert tokens(spec_llm, prompts) == want
-    assert ex.overhead is not None
+    assert ex.residual.num_observations > 0
     fixed = llm(speculative_config={**DRAFT, "disable_by_batch_size": 8}, draft_model_config=cfg, draft_weights=w)
     assert fixed.engine.spec_executor.length_rule == "acceptance"

@@ -105,3 +105,22 @@ def test_compare_refuses_empty_samples_before_starting_a_server():
     with pytest.raises(ValueError, match="empty"):
         run_compare([spec_serving.OFF], Workload(dataset="random", num_prompts=1), samples=[],
                     tokenizer=object())  # type: ignore[arg-type]
+
+
+def test_abba_runs_off_on_on_off_and_reports_each_mode_s_mean():
+    calls = []
+
+    def measure(workload, concurrency, modes):
+        calls.append([m.name for m in modes])
+        # a host that slows down during the point: off 2.0 then 1.0 s, on 1.5 then 1.0 s (4 requests each)
+        return [result([0.02] * 4, 2.0), result([0.01] * 4, 1.5, (10, 40, 20)), result([0.01] * 4, 1.0),
+                result([0.02] * 4, 1.0)]
+
+    points = spec_serving.run_points(["sharegpt"], [16], spec_serving.OFF, measure, log=lambda s: None, abba=True)
+    assert calls == [["off", "off", "on-2", "off-2"]]  # (the OFF preset stands in for "on" here)
+    (row,) = spec_serving.summarize(points, {})
+    assert row["req_s_runs_off"] == pytest.approx([2.0, 4.0]) and row["req_s_runs_on"] == pytest.approx([4 / 1.5, 4.0])
+    assert row["req_s_off"] == pytest.approx(3.0) and row["req_s_on"] == pytest.approx((4 / 1.5 + 4.0) / 2)
+    assert row["req_s_ratio"] == pytest.approx((4 / 1.5 + 4.0) / 2 / 3.0)
+    assert row["tpot_p50_ms_on"] == pytest.approx(10.0) and row["acceptance_rate"] == pytest.approx(0.5)
+    assert [r.metrics.duration_s for r in spec_serving.measure_order(points[0])] == [2.0, 1.5, 1.0, 1.0]

@@ -15,7 +15,7 @@ import pytest
 
 from pdserve.config import SpeculativeConfig
 from pdserve.spec import DraftRequest, SpeculativeExecutor
-from pdserve.spec.length import RowCurve, choose_lengths_by_cost, expected_tokens
+from pdserve.spec.length import ResidualFit, RowCurve, choose_lengths_by_cost, expected_tokens
 from pdserve.sim.fake_executor import expected_output
 from tests.unit.test_spec_executor import FixedProposer, make_loop
 from tests.support.loop import generate
@@ -33,6 +33,40 @@ def test_curve_interpolates_and_extends_the_table() -> None:
     for rows, secs in [((1,), (1.0,)), ((4, 1), (1.0, 2.0)), ((1, 4), (1.0, -1.0)), ((0, 4), (1.0, 2.0))]:
         with pytest.raises(ValueError):
             RowCurve(rows, secs)
+
+
+def test_residual_fit_learns_the_per_row_cost_and_forgets() -> None:
+    fit = ResidualFit(forgetting=1.0)
+    assert fit.coefficients == (0.0, 0.0) and fit(10) == 0.0
+    for rows in (4, 4, 4):
+        fit.observe(rows, 0.010)
+    assert fit.coefficients == pytest.approx((0.010, 0.0))  # rows never varied: the mean, b = 0
+    fit = ResidualFit(forgetting=1.0)
+    for rows in (4, 20, 64, 100, 8):
+        fit.observe(rows, 0.005 + 0.001 * rows)
+    assert fit.coefficients == pytest.approx((0.005, 0.001)) and fit(50) == pytest.approx(0.055)
+    fit.observe(0, 1.0)  # no rows, or a time that is not finite: ignored
+    fit.observe(5, math.inf)
+    assert fit.num_observations == 5
+    fit = ResidualFit(forgetting=1.0)
+    for rows, t in ((10, 0.010), (20, 0.005)):  # falling with rows: b clipped at 0
+        fit.observe(rows, t)
+    a, b = fit.coefficients
+    assert b == 0.0 and a >= 0.0
+    fit = ResidualFit(forgetting=0.5)
+    for _ in range(40):
+        fit.observe(10, 0.001)
+    for _ in range(40):
+        fit.observe(10, 0.050)
+    assert fit(10) == pytest.approx(0.050, rel=1e-6)  # old steps forgotten
+    with pytest.raises(ValueError):
+        ResidualFit(forgetting=0.0)
+
+
+def test_per_row_rest_cuts_drafts_the_curve_alone_would_allow() -> None:
+    n, caps, acc = 64, [4] * 64, [0.7] * 64
+    assert sum(choose_lengths_by_cost(caps, acc, rows=n, target=FLAT, overhead=0.02)) > 0
+    assert choose_lengths_by_cost(caps, acc, rows=n, target=FLAT, overhead=0.02, per_row=0.002) == [0] * n
 
 
 def test_flat_curve_gives_every_request_its_cap() -> None:
@@ -65,9 +99,9 @@ def test_finished_requests_count_no_tokens_and_get_no_drafts() -> None:
 
 
 def _rate(ks: Sequence[int], acc: Sequence[float], caps: Sequence[int], rows: int, target: RowCurve,
-          overhead: float, draft: RowCurve | None, draft_overhead: float) -> float:
+          overhead: float, draft: RowCurve | None, draft_overhead: float, per_row: float = 0.0) -> float:
     tokens = sum(expected_tokens(a, k) for a, k, c in zip(acc, ks, caps) if c > 0)
-    t = overhead + target(rows + sum(ks))
+    t = overhead + per_row * (rows + sum(ks)) + target(rows + sum(ks))
     if draft is not None and sum(ks):
         t += sum(draft_overhead + draft(sum(1 for k in ks if k >= j)) for j in range(1, max(ks) + 1))
     return tokens / t
@@ -84,11 +118,11 @@ def test_no_other_allocation_of_the_chosen_total_is_better_without_a_draft(seed:
     pts = sorted(rng.sample(range(2, 60), 3))
     secs = sorted(rng.uniform(0.001, 0.05) for _ in range(4))
     target = RowCurve((1, *pts), tuple(secs))  # increasing, convex or not
-    overhead = rng.uniform(0.0, 0.02)
-    got = choose_lengths_by_cost(caps, acc, rows=rows, target=target, overhead=overhead)
-    best = max(_rate(ks, acc, caps, rows, target, overhead, None, 0.0)
+    overhead, per_row = rng.uniform(0.0, 0.02), rng.choice([0.0, rng.uniform(0.0, 0.002)])
+    got = choose_lengths_by_cost(caps, acc, rows=rows, target=target, overhead=overhead, per_row=per_row)
+    best = max(_rate(ks, acc, caps, rows, target, overhead, None, 0.0, per_row)
                for ks in itertools.product(*[range(c + 1) for c in caps]))
-    assert _rate(got, acc, caps, rows, target, overhead, None, 0.0) == pytest.approx(best, rel=1e-9)
+    assert _rate(got, acc, caps, rows, target, overhead, None, 0.0, per_row) == pytest.approx(best, rel=1e-9)
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -122,7 +156,7 @@ def test_executor_uses_the_cost_rule_and_learns_the_rest_of_the_step() -> None:
     loop.executor = spec
     assert spec.length_rule == "cost" and spec.max_batch_size is None
     assert generate(loop, prompts, 8) == [expected_output(p, 8) for p in prompts]
-    assert spec.stats.num_drafts > 0 and spec.overhead is not None and spec.overhead >= 0.0
+    assert spec.stats.num_drafts > 0 and spec.residual.num_observations > 0
     # a curve where every extra row costs a second: six decodes, never a draft
     loop, fake, _ = make_loop("chunked", None)
     dear = RowCurve((1, 2), (0.001, 1.0))
