@@ -179,7 +179,8 @@ class SpeculativeExecutor:
         if self.draft_curve is None or not rows:
             return
         rest = max(0.0, seconds - sum(self.draft_curve(r) for r in rows)) / len(rows)
-        self.draft_overhead = rest if self.draft_overhead is None else _ema(self.draft_overhead, rest)
+        old = rest if self.draft_overhead is None else self.draft_overhead
+        self.draft_overhead = (1.0 - OVERHEAD_EMA) * old + OVERHEAD_EMA * rest
 
     def propose_received(self, reqs: Sequence[Request], num_running: int) -> list[list[int]]:
         """First drafts of requests whose prompt and first token came from a prefill instance: the same
@@ -253,7 +254,3 @@ class SpeculativeExecutor:
 
     def skip_draws(self, req: Request, num_draws: int) -> None:
         self.inner.skip_draws(req, num_draws)
-
-
-def _ema(old: float, new: float) -> float:
-    return (1.0 - OVERHEAD_EMA) * old + OVERHEAD_EMA * new
