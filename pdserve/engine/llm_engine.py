@@ -69,10 +69,6 @@ def int4_residual_slots(sc: SchedulerConfig, block_size: int, spec: SpeculativeC
     return sc.max_num_seqs * (2 + drafts) + -(-sc.max_num_batched_tokens // block_size) + 4
 
 
-def _num_params(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
 def _pick_attention(name: str, dtype: torch.dtype, device: torch.device) -> AttentionBackend:
     if name != "auto":
         return get_attention_backend(name)
@@ -123,7 +119,7 @@ class LLMEngine(EngineLoop):
         self.model_config: ModelConfig = model_config
         self.tokenizer = tokenizer
         quantized = self._check_weight_dtype(config.weight_dtype)
-        self.model = self._build_model(model_config, weights, quantized)
+        self.model = self._build_model(model_config, weights, quantized, consume=self.model_name != "random")
         del weights
 
         sc = config.scheduler
@@ -210,7 +206,8 @@ class LLMEngine(EngineLoop):
         """The draft model on the target's device and dtype (bf16 CPU kernels as the target's), over its
         own KV cache of `spec.draft_kv_cache_memory_gb` in the model's dtype."""
         tokenizer = None
-        if weights is None:
+        loaded = weights is None
+        if loaded:
             from pdserve.model.loader import load_weights, resolve_model_path
             from pdserve.model.tokenizer import load_tokenizer
 
@@ -219,7 +216,7 @@ class LLMEngine(EngineLoop):
             tokenizer = load_tokenizer(path)
         assert draft_config is not None, "draft weights need their model_config"
         check_same_vocab(self.model_config, draft_config, self.tokenizer, tokenizer)
-        model = self._build_model(draft_config, weights, quantized=None)
+        model = self._build_model(draft_config, weights, quantized=None, consume=loaded)
         del weights
         cfg = self.config
         layout = KVLayout.for_model(draft_config, self.block_size, "auto", self.dtype)
@@ -229,21 +226,22 @@ class LLMEngine(EngineLoop):
         runner = ModelRunner(model, kv_cache, attn, self.device, cfg.seed)
         cost = spec.draft_cost
         if cost is None:  # decode is memory-bound: a step's time goes with the weight bytes it streams
-            cost = min(0.99, _num_params(model) / max(1, _num_params(self.model)))
+            cost = min(0.99, model.num_params / max(1, self.model.num_params))
         max_len = min(self.max_model_len, draft_config.max_position_embeddings, num_blocks * layout.block_size)
         logger.info("draft model: %d layers, %d KV blocks, a step costs %.2f target steps",
                     draft_config.num_layers, num_blocks, cost)
         return DraftModelProposer(runner, num_blocks, max_len, cost)
 
     def _build_model(
-        self, model_config: ModelConfig, weights: dict[str, torch.Tensor], quantized: str | None
+        self, model_config: ModelConfig, weights: dict[str, torch.Tensor], quantized: str | None,
+        consume: bool = False,
     ) -> LlamaModel:
         """The model on this engine's device and dtype, with the CPU kernels chosen (the target and the
         draft model alike): int8 projections when asked (`quantized` "int8" or "w8a8"), packed linears,
-        fused or plain elementwise ops."""
+        fused or plain elementwise ops. `consume`: `weights` is the loader's own dict, emptied as copied."""
         config = self.config
         model = LlamaModel(model_config)
-        model.load_hf_weights(weights)
+        model.load_hf_weights(weights, consume=consume)
         if quantized is not None:
             model.quantize_linears(quantized)  # from the float32 weights, before the cast; frees the float copies
         model = model.to(device=self.device, dtype=self.dtype).eval()

@@ -47,9 +47,10 @@ row-independent (a row's quantization is its own, int32 sums are exact in any or
 
 `pack_cpu_linears` packs a model's projections: a named kernel for every row count, or ("auto") the
 kernel measured fastest per row bucket on this host (`autotune.py`; cached on disk), dispatched by
-`BucketedLinear` with one bisect on the row count. With bf16 weights the plain weights stay on the
-layer (loading, tests), so packing costs one more copy of the projection weights per kernel that wins a
-bucket; with int8 the model frees its float copies (`LlamaModel.quantize_linears`).
+`BucketedLinear` with one bisect on the row count. Each kernel that wins a bucket holds its own copy of
+the weights (plain `F.linear` runs from the layer's tensor itself); the model then frees the layer's
+copies no kernel runs from (`LlamaModel.prepack_for_cpu`; with int8, `quantize_linears` frees the float
+ones).
 
 """
 

@@ -12,7 +12,7 @@ Logits are computed only for the rows that sample.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -107,6 +107,7 @@ class LlamaModel(nn.Module):
         self.linear_plan: LinearPlan | None = None  # which kernels prepack_for_cpu chose, and why
         self.int8_weights: dict[str, list[Int8Weight]] | None = None  # quantize_linears -> prepack_for_cpu
         self.quantized_dtype: str | None = None  # "int8" (weight-only) or "w8a8": which kernels may serve them
+        self.num_params = sum(p.numel() for p in self.parameters())  # as built (packing may free originals)
 
     def forward(
         self,
@@ -133,9 +134,12 @@ class LlamaModel(nn.Module):
         """Pack the projections and the output head for CPU matmul kernels with bf16 activations
         (`linear.py`; `kind` names one, "auto" measures which is fastest per row count here, cached in
         `cache_dir`); returns whether it did. After `quantize_linears` it packs the int8 weights (and
-        must: the float ones are gone). The decision is kept in `self.linear_plan`."""
+        must: the float ones are gone). The decision is kept in `self.linear_plan`. The layers' own
+        weights that no chosen kernel runs from are freed (`_drop_linear_weights`): pack once."""
         if kind not in LINEAR_KINDS:
             raise ValueError(f"unknown linear kernel {kind!r}; choose from {LINEAR_KINDS}")
+        if self.linear_plan is not None:
+            raise RuntimeError("the linears are packed already (packing freed the weights it would repack)")
         int8 = self.int8_weights is not None
         if self.embed.device.type != "cpu" or self.embed.dtype != torch.bfloat16:
             if int8:
@@ -150,7 +154,20 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             layer.packed = {name: self.linear_plan.packed[name][i] for name in LlamaLayer.PROJECTIONS}
         self.packed_lm_head = self.linear_plan.packed["lm_head"][0]
+        self._drop_linear_weights(keep=self.linear_plan.weight_tensors())
         return True
+
+    def _drop_linear_weights(self, keep: Sequence[torch.Tensor] = ()) -> None:
+        """Free the projections' and the head's own weights except those whose storage a kernel in `keep`
+        runs from (`TorchLinear` keeps the layer's tensor): after packing they are a dead copy (3.1 GB of a
+        1.5B model). A tied head is the embedding, which the model still gathers from: it stays."""
+        kept = {t.untyped_storage().data_ptr() for t in keep if not t.is_mkldnn}
+        params = [getattr(layer, name) for layer in self.layers for name in LlamaLayer.PROJECTIONS]
+        if self.lm_head is not self.embed:
+            params.append(self.lm_head)
+        for p in params:
+            if p.numel() and p.untyped_storage().data_ptr() not in kept:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
     @torch.no_grad()
     def quantize_linears(self, weight_dtype: str = "int8") -> None:
@@ -164,16 +181,12 @@ class LlamaModel(nn.Module):
         self.quantized_dtype = weight_dtype
         weights = self.linear_weights()
         self.int8_weights = {op: [quantize_int8(w) for w in ws] for op, ws in weights.items()}
-        for layer in self.layers:
-            for name in LlamaLayer.PROJECTIONS:
-                getattr(layer, name).data = torch.empty(0, dtype=getattr(layer, name).dtype)
-        if self.lm_head is not self.embed:
-            self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
+        self._drop_linear_weights()
 
     def weight_bytes(self) -> dict[str, int]:
         """Resident bytes of the weights (each storage once): `linears`, what the projections and head
         run from (the packed kernels' copies, else the parameters), and `other`, everything else
-        (embedding, norms, biases, and with bf16 packing the unused float copies)."""
+        (embedding, norms, biases; packing freed the projections' own copies)."""
         packed = self.linear_plan.weight_tensors() if self.linear_plan is not None else []
         params = list(self.parameters())
         total = resident_bytes([*packed, *params])
@@ -213,11 +226,13 @@ class LlamaModel(nn.Module):
         return F.linear(h, self.lm_head).float()
 
     @torch.no_grad()
-    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy Hugging Face-named Llama/Qwen2 weights in, fusing q/k/v (and their biases) and gate/up."""
+    def load_hf_weights(self, weights: dict[str, torch.Tensor], consume: bool = False) -> None:
+        """Copy Hugging Face-named Llama/Qwen2 weights in, fusing q/k/v (and their biases) and gate/up.
+        `consume`: remove each tensor from `weights` once copied, so that a checkpoint and the model are
+        never both resident in full (the loader's float32 dict: 6 GB for a 1.5B model)."""
         def take(name: str) -> torch.Tensor:
             try:
-                return weights[name]
+                return weights.pop(name) if consume else weights[name]
             except KeyError:
                 raise KeyError(f"checkpoint lacks tensor {name!r}") from None
 

@@ -99,5 +99,29 @@ def test_onednn_prepacked_projections_are_bit_identical(tiny_weights):
     packed = [layer.linear(x, "qkv"), layer.linear(x, "gate_up"), model.compute_logits(x)]
     for a, b in zip(plain, packed):
         assert torch.equal(a, b)
+    # the layers' own copies are freed (oneDNN runs from its reordered ones); the embedding and norms stay
+    assert all(getattr(lay, n).numel() == 0 for lay in model.layers for n in layer.PROJECTIONS)
+    assert model.embed.numel() == TINY.vocab_size * TINY.hidden_size
+    assert model.num_params == LlamaModel(TINY).num_params
+    rest = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert model.weight_bytes()["other"] == rest
     with pytest.raises(ValueError, match="unknown linear kernel"):
         model.prepack_for_cpu("mkl")
+    with pytest.raises(RuntimeError, match="packed already"):
+        model.prepack_for_cpu("pdserve")
+
+
+def test_loading_can_consume_the_checkpoint_and_packing_keeps_what_a_kernel_shares(tiny_weights):
+    from pdserve.model.llama import LlamaModel
+
+    kept = dict(tiny_weights)
+    a, b = LlamaModel(TINY), LlamaModel(TINY)
+    a.load_hf_weights(tiny_weights)
+    assert tiny_weights.keys() == kept.keys()  # not consumed: the fixture's dict is shared
+    b.load_hf_weights(kept, consume=True)
+    assert kept == {}  # every tensor copied in and released
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    # plain F.linear runs from the layer's own tensor: a kernel that shares it keeps it alive
+    b._drop_linear_weights(keep=[b.layers[0].qkv])
+    assert b.layers[0].qkv.numel() > 0 and b.layers[0].o.numel() == 0 and b.layers[1].qkv.numel() == 0
+    assert b.lm_head.numel() > 0 if TINY.tie_word_embeddings else b.lm_head.numel() == 0
