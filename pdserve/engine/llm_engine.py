@@ -105,7 +105,8 @@ class LLMEngine(EngineLoop):
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         t0 = time.perf_counter()
-        if weights is None:
+        loaded = weights is None
+        if loaded:
             from pdserve.model.loader import load_weights, resolve_model_path
             from pdserve.model.tokenizer import load_tokenizer
 
@@ -119,7 +120,7 @@ class LLMEngine(EngineLoop):
         self.model_config: ModelConfig = model_config
         self.tokenizer = tokenizer
         quantized = self._check_weight_dtype(config.weight_dtype)
-        self.model = self._build_model(model_config, weights, quantized, consume=self.model_name != "random")
+        self.model = self._build_model(model_config, weights, quantized, consume=loaded)
         del weights
 
         sc = config.scheduler
