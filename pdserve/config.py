@@ -132,7 +132,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULER_POLICIES = ("prefill-first", "chunked", "decode-priority", "slo")
 KV_TRANSFER_BACKENDS = ("inproc", "shm", "tcp", "torch.distributed")
 ATTENTION_BACKENDS = ("torch", "torch-compiled", "cpu-paged")  # and "auto": see LLMEngine
-LINEAR_KERNELS = ("auto", "pdserve", "onednn", "fp32", "torch")
+LINEAR_KERNELS = ("auto", "pdserve", "amx", "onednn", "fp32", "torch")
 ROUTER_POLICIES = ("round-robin", "least-outstanding-tokens", "least-kv-usage")
 WEIGHT_DTYPES = ("auto", "bfloat16", "int8", "w8a8")  # auto: the model dtype; int8, w8a8: model/linear.py
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 (engine/llm_engine.py resolve_dtype)
@@ -317,7 +317,7 @@ class EngineConfig:
     num_threads: int | None = None
     attention_backend: str = "auto"  # auto | torch | torch-compiled | cpu-paged (auto: see LLMEngine)
     fused_cpu_ops: bool = True  # bf16 on CPU: the layer's elementwise steps as fused C++ calls (model/ops.py)
-    linear_kernel: str = "auto"  # bf16 on CPU: auto | pdserve | onednn | fp32 | torch (model/linear.py)
+    linear_kernel: str = "auto"  # bf16 on CPU: auto | pdserve | amx | onednn | fp32 | torch (model/linear.py)
     # auto picks the fastest kernel per row count, so a row's rounding can change with the batch around
     # it; batch_invariant pins one row-independent kernel instead (slower for prompts and big batches).
     batch_invariant: bool = False

@@ -36,6 +36,7 @@ from pdserve.bench.datasets import load_sharegpt_records
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm import LLM
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.model.linear import amx_bf16
 from pdserve.request import Request, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,9 @@ def option_config(base: EngineConfig, name: str, overrides: Mapping[str, object]
                 f"CacheConfig or SchedulerConfig)"
             )
         routed[owner][key] = value
+    if routed[EngineConfig].get("weight_dtype", base.weight_dtype) in ("int8", "w8a8"):
+        # a bf16 kernel named by the base is not one of the 8-bit weights' kernels: they choose their own
+        routed[EngineConfig].setdefault("linear_kernel", "auto")
     try:
         return replace(
             base,
@@ -151,7 +155,9 @@ def base_config(
     `max_num_seqs` sequences of `max_total_len + max_tokens` tokens, so an option that stores K/V in fewer
     bytes runs the same schedule as the baseline. `batch_invariant` pins one row-independent matmul
     kernel: a row's rounding then depends neither on the batch around it nor on a kernel timing that
-    could pick differently in two engines, so the figures measure the option and nothing else."""
+    could pick differently in two engines, so the figures measure the option and nothing else. Where
+    there are two (pdserve's AVX-512 and AMX kernels) it names the AMX one, which is also the fast one at
+    the scoring steps' hundreds of rows; an option with 8-bit weights gets its own (`option_config`)."""
     max_len = max_total_len + max_tokens
     num_blocks = max_num_seqs * -(-max_len // block_size) + 1
     return EngineConfig(
@@ -159,6 +165,7 @@ def base_config(
         device=device,
         num_threads=num_threads,
         batch_invariant=batch_invariant,
+        linear_kernel="amx" if batch_invariant and device != "cuda" and amx_bf16() else "auto",
         seed=seed,
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=False),
         scheduler=SchedulerConfig(

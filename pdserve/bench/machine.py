@@ -75,7 +75,8 @@ def cpu_name() -> str:
     return cpu_info()[0]
 
 
-# What decides which matmul kernel wins: AVX-512 BF16 dot products (pdserve's kernel) vs AMX tiles (oneDNN).
+# What decides which matmul kernel wins: AVX-512 BF16 dot products (pdserve's kernel) vs AMX tiles (pdserve's AMX
+# kernel, oneDNN's).
 RELEVANT_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 
 

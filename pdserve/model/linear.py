@@ -5,6 +5,15 @@
   that stay in L2. Fastest at decode-sized row counts where a step streams W from DRAM; it does no AMX,
   so from a few dozen rows on an AMX host oneDNN is several times faster. A row's result does not
   depend on the other rows (fixed fp32 accumulation order): the only batch-invariant kernel here.
+- `AmxLinear` ("amx"): pdserve's AMX kernel (`linear_amx`, same file), on CPUs with AMX BF16: the
+  same panels read as AMX B tiles (a panel's 16 k pairs x 16 columns at a 128-byte stride are a B tile
+  as they lie; x's rows are the A tiles), 2 x 2 tiles per step (32 rows x 32 columns). Work items run
+  panel-major, each thread on its own panels, and while a panel's tiles run the thread prefetches its
+  next panel into L2, so weights stream from DRAM under the tile compute (oneDNN does not prefetch: on
+  a step whose attention evicted the L3 it pays its weight reads on top, `benchmarks/linear_cache_state.py`).
+  Row-independent too (the tile unit's fixed k order), but not bitwise equal to the AVX-512 kernel
+  (the tile unit adds a k pair's two products in the other order). It shares the AVX-512 kernel's
+  packed copy where both win buckets (`_pack_once`). Needs K % 32 == 0.
 - `OneDnnLinear`: oneDNN's blocked layout via torch's mkldnn ops (bit-identical to `F.linear`); on CPUs
   with AMX it runs AMX tiles (`ONEDNN_VERBOSE=1` shows `brg_matmul:avx512_core_amx`). Its blocking, and
   so a row's rounding, changes with the row count.
@@ -81,10 +90,10 @@ _SOURCE_INT8 = os.path.join(os.path.dirname(__file__), "csrc", "linear_int8.cpp"
 _HEADER = os.path.join(os.path.dirname(__file__), "csrc", "linear_common.h")  # included by both
 
 PackedLinear = Callable[[torch.Tensor], torch.Tensor]
-LINEAR_KINDS = ("auto", "pdserve", "onednn", "fp32", "torch")
-# Kernels whose rows do not depend on the batch (tests/model/test_linear*.py): pdserve's (fixed fp32 order)
-# and the int8 x int8 ones (a row's quantization is its own and int32 sums are exact in any order).
-ROW_INDEPENDENT = ("pdserve", "onednn-a8", "torch-a8")
+LINEAR_KINDS = ("auto", "pdserve", "amx", "onednn", "fp32", "torch")
+# Kernels whose rows do not depend on the batch (tests/model/test_linear*.py): pdserve's two (fixed fp32
+# order) and the int8 x int8 ones (a row's quantization is its own and int32 sums are exact in any order).
+ROW_INDEPENDENT = ("pdserve", "amx", "onednn-a8", "torch-a8")
 
 
 def _build(name: str, source: str, needs: str) -> Any:
@@ -144,13 +153,29 @@ def quantize_int8(w: torch.Tensor) -> Int8Weight:
 
 
 class Bf16DotLinear:
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, panels: torch.Tensor | None = None) -> None:
         self._ext = _kernel()
         self.out_features = weight.shape[0]
-        self.packed = self._ext.pack(weight)
+        self.packed = self._ext.pack(weight) if panels is None else panels
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._ext.linear(x, self.packed, self.out_features)
+
+    def weight_tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.packed,)
+
+
+class AmxLinear:
+    """pdserve's AMX kernel (`linear_amx` in `csrc/linear_bf16.cpp`): the same packed panels as
+    `Bf16DotLinear`, read as AMX B tiles; pass `panels` (a `Bf16DotLinear`'s) to share them."""
+
+    def __init__(self, weight: torch.Tensor, panels: torch.Tensor | None = None) -> None:
+        self._ext = _kernel()
+        self.out_features = weight.shape[0]
+        self.packed = self._ext.pack(weight) if panels is None else panels
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._ext.linear_amx(x, self.packed, self.out_features)
 
     def weight_tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.packed,)
@@ -312,6 +337,8 @@ def available_kernels(weight_dtype: str = "bfloat16") -> dict[str, Callable[[Any
     out: dict[str, Callable[[Any], PackedLinear]] = {}
     if onednn_bf16():
         out["onednn"] = OneDnnLinear
+    if amx_bf16():
+        out["amx"] = AmxLinear
     out["fp32"] = Fp32Linear
     try:
         _kernel()
@@ -320,6 +347,16 @@ def available_kernels(weight_dtype: str = "bfloat16") -> dict[str, Callable[[Any
         logger.info("pdserve's bf16 linear kernel is unavailable here (%s)", e)
     out["torch"] = TorchLinear
     return out
+
+
+@functools.cache
+def amx_bf16() -> bool:
+    """Whether pdserve's AMX kernel runs here: built with AMX BF16 (`-march=native` on a CPU that has it)
+    and granted the tile state by the OS."""
+    try:
+        return bool(_kernel().amx_available())
+    except Exception:  # noqa: BLE001 - no compiler or no usable instruction set
+        return False
 
 
 @functools.cache
@@ -363,6 +400,8 @@ def _w8a8_kernels() -> dict[str, Callable[[Any], PackedLinear]]:
 def _can_pack(kind: str, weight: torch.Tensor | Int8Weight) -> bool:
     if kind == "pdserve":
         return weight.shape[1] % 2 == 0  # the kernels read k in pairs
+    if kind == "amx":
+        return weight.shape[1] % 32 == 0  # a tile step takes 32 k
     if kind == "torch" and isinstance(weight, Int8Weight):
         return weight.shape[1] % 16 == 0  # ATen's int8 kernel reads K in 16s (and crashes otherwise)
     return True
@@ -391,6 +430,12 @@ def cpu_linear_packer(kind: str = "auto") -> Callable[[torch.Tensor], PackedLine
     onednn = kernels.get("onednn")
     if kind == "fp32":
         return kernels["fp32"]
+    if kind == "amx":
+        if "amx" not in kernels:
+            raise ValueError("pdserve's AMX kernel is unavailable here (a CPU or OS without AMX BF16, or a "
+                             "compiler without it): use --linear-kernel auto")
+        fallback = onednn or kernels["fp32"]
+        return lambda weight: AmxLinear(weight) if _can_pack("amx", weight) else fallback(weight)
     if kind == "onednn":
         if onednn is None:
             raise ValueError("oneDNN has no bf16 matmul here (no oneDNN in this torch build, or a CPU without "
@@ -408,6 +453,26 @@ def cpu_linear_packer(kind: str = "auto") -> Callable[[torch.Tensor], PackedLine
         return Bf16DotLinear(weight)
 
     return pack
+
+
+_PANEL_KERNELS = (Bf16DotLinear, AmxLinear)  # read the same packed panels
+
+
+def _pack_once(
+    names: Iterable[str], weight: torch.Tensor | Int8Weight, kernels: Mapping[str, Callable[[Any], PackedLinear]]
+) -> dict[str, PackedLinear]:
+    """Each named kernel's packing of one weight, one copy each, except that pdserve's two bf16 kernels
+    (AVX-512 and AMX) share one copy of the panels."""
+    out: dict[str, PackedLinear] = {}
+    panels: torch.Tensor | None = None
+    for name in names:
+        pack = kernels[name]
+        if pack in _PANEL_KERNELS:
+            out[name] = pack(weight, panels)  # type: ignore[call-arg]
+            panels = out[name].packed  # type: ignore[attr-defined]
+        else:
+            out[name] = pack(weight)
+    return out
 
 
 @dataclass(slots=True)
@@ -589,7 +654,7 @@ def pack_cpu_linears(
         runs[-1] = (math.inf, runs[-1][1])  # type: ignore[assignment]  # the last run serves every larger count
         ops_packed = []
         for w in ws:
-            once = {name: kernels[name](w) for name in dict.fromkeys(name for _, name in runs)}  # one copy each
+            once = _pack_once(dict.fromkeys(name for _, name in runs), w, kernels)
             ks = [once[name] for _, name in runs]
             ops_packed.append(ks[0] if len(ks) == 1 else BucketedLinear([b for b, _ in runs], ks))
         packed[op] = ops_packed

@@ -1,6 +1,6 @@
-"""The AMX path (model/linear.py): where the CPU has AMX BF16, oneDNN's linear runs AMX tiles, is among
-the autotune candidates, and computes the model's prompt-chunk shapes to bf16 rounding against float32.
-Skipped only where /proc/cpuinfo has no `amx_bf16`."""
+"""The AMX paths (model/linear.py): where the CPU has AMX BF16, oneDNN's linear runs AMX tiles, and it
+and pdserve's own AMX kernel are autotune candidates and compute the model's prompt-chunk shapes to bf16
+rounding against float32. Skipped only where /proc/cpuinfo has no `amx_bf16`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pdserve.model.autotune import cpu_info
-from pdserve.model.linear import OneDnnLinear, available_kernels
+from pdserve.model.linear import AmxLinear, OneDnnLinear, amx_bf16, available_kernels
 
 if "amx_bf16" not in cpu_info()[1]:
     pytest.skip("this CPU has no AMX BF16", allow_module_level=True)
@@ -24,6 +24,8 @@ def rand(*shape: int, seed: int) -> torch.Tensor:
 
 def test_onednn_is_a_candidate_and_runs_amx_tiles():
     assert "onednn" in available_kernels()
+    # pdserve's AMX kernel builds wherever the compiler knows AMX (-march=native on this CPU)
+    assert amx_bf16() and "amx" in available_kernels()
     code = (
         "import torch\n"
         "from pdserve.model.linear import OneDnnLinear\n"
@@ -39,8 +41,9 @@ def test_onednn_is_a_candidate_and_runs_amx_tiles():
 
 @pytest.mark.parametrize("n,k", [(960, 576), (3072, 576), (576, 1536)])
 @pytest.mark.parametrize("m", [512, 2048])
-def test_prompt_chunk_shapes_match_float32(m, n, k):
+@pytest.mark.parametrize("kernel", [OneDnnLinear, AmxLinear])
+def test_prompt_chunk_shapes_match_float32(m, n, k, kernel):
     x, w = rand(m, k, seed=m), rand(n, k, seed=n + k)
-    got = OneDnnLinear(w)(x)
+    got = kernel(w)(x)
     ref = x.float() @ w.float().T
     torch.testing.assert_close(got.float(), ref, rtol=8e-3, atol=1e-3 * k**0.5)

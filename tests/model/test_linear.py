@@ -1,14 +1,22 @@
-"""pdserve's bf16 projection kernel (model/linear.py): x @ W.T to bf16 accuracy for any row count (one
-and several row tiles, several k slices), output widths off the 32-column panels, strided rows; each
-row's result independent of the rows around it; and the engine giving the same greedy tokens with it as
-with oneDNN on the tiny model."""
+"""pdserve's bf16 projection kernels (model/linear.py), AVX-512 and AMX: x @ W.T to bf16 accuracy for
+any row count (one and several row tiles, several k slices), output widths off the 32-column panels,
+strided rows; each row's result independent of the rows around it; the AMX kernel sharing the AVX-512
+one's panels; and the engine giving the same greedy tokens with them as with oneDNN on the tiny model."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pdserve.model.linear import Bf16DotLinear, cpu_linear_packer, onednn_bf16
+from pdserve.model.linear import (
+    AmxLinear,
+    Bf16DotLinear,
+    _pack_once,
+    amx_bf16,
+    cpu_linear_packer,
+    onednn_bf16,
+    resident_bytes,
+)
 
 try:
     cpu_linear_packer("pdserve")
@@ -61,12 +69,61 @@ def test_engine_greedy_matches_library_gemm(tiny_weights):
     prompts = random_prompts(4, 4, 40, seed=9)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     outs = {}
-    for kind in ("pdserve", peer):
+    kinds = ("pdserve", "amx", peer) if amx_bf16() else ("pdserve", peer)
+    for kind in kinds:
         llm = LLM(dtype="bfloat16", device="cpu", model_config=TINY, weights=tiny_weights, num_blocks=64,
                   block_size=4, linear_kernel=kind)
         outs[kind] = llm.generate(prompts, params, use_tqdm=False)
-    for a, b in zip(outs["pdserve"], outs[peer]):
+    for a, b in [p for kind in kinds[:-1] for p in zip(outs[kind], outs[peer])]:
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for lp_a, lp_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             for tok in lp_a.keys() & lp_b.keys():
                 assert lp_a[tok] == pytest.approx(lp_b[tok], abs=0.05)
+
+
+# ---- the AMX kernel (same panels, AMX BF16 tiles) ----------------------------------------------------
+amx = pytest.mark.skipif(not amx_bf16(), reason="no AMX BF16 here (CPU, OS or compiler)")
+
+
+@amx
+@pytest.mark.parametrize("n,k", [(96, 64), (70, 576), (5, 1536), (960, 896)])
+@pytest.mark.parametrize("m", [1, 3, 15, 16, 17, 32, 33, 100, 300, 530])
+def test_amx_matches_float32_reference(m, n, k):
+    x, w = rand(m, k, seed=1), rand(n, k, seed=2)
+    got = AmxLinear(w)(x)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), x.float() @ w.float().T, rtol=8e-3, atol=1e-3 * k**0.5)
+
+
+@amx
+def test_amx_rows_do_not_depend_on_the_batch():
+    """A row alone, in a partial last tile, in a tile pair and among 300 (two row blocks) gives the same bits."""
+    lin = AmxLinear(rand(300, 1536, seed=3))
+    batch = rand(300, 1536, seed=4)
+    full = lin(batch)
+    for i in (0, 15, 16, 31, 57, 271, 299):
+        assert torch.equal(lin(batch[i : i + 1]), full[i : i + 1])
+        assert torch.equal(lin(batch[i : i + 20])[0], full[i])
+
+
+@amx
+def test_amx_strided_rows_and_empty_input():
+    lin = AmxLinear(rand(64, 128, seed=5))
+    wide = rand(37, 384, seed=6)
+    x = wide[:, 128:256]
+    assert torch.equal(lin(x), lin(x.contiguous()))
+    assert lin(wide[:0, :128]).shape == (0, 64)
+
+
+@amx
+def test_amx_shares_the_avx512_kernels_panels_and_declines_odd_k():
+    w = rand(96, 576, seed=7)
+    kernels = {"pdserve": Bf16DotLinear, "amx": AmxLinear}
+    both = _pack_once(["pdserve", "amx"], w, kernels)
+    assert both["amx"].packed is both["pdserve"].packed  # type: ignore[attr-defined]
+    assert resident_bytes([t for k in both.values() for t in k.weight_tensors()]) == 96 * 576 * 2  # type: ignore[attr-defined]
+    x = rand(40, 576, seed=8)
+    torch.testing.assert_close(both["amx"](x).float(), both["pdserve"](x).float(), rtol=8e-3, atol=0.03)
+    # K not a multiple of 32: a pinned "amx" packs the library's kernel for that weight instead
+    odd = cpu_linear_packer("amx")(rand(96, 578, seed=9))  # type: ignore[misc]
+    assert not isinstance(odd, AmxLinear)
