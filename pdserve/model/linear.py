@@ -165,20 +165,12 @@ class Bf16DotLinear:
         return (self.packed,)
 
 
-class AmxLinear:
+class AmxLinear(Bf16DotLinear):
     """pdserve's AMX kernel (`linear_amx` in `csrc/linear_bf16.cpp`): the same packed panels as
     `Bf16DotLinear`, read as AMX B tiles; pass `panels` (a `Bf16DotLinear`'s) to share them."""
 
-    def __init__(self, weight: torch.Tensor, panels: torch.Tensor | None = None) -> None:
-        self._ext = _kernel()
-        self.out_features = weight.shape[0]
-        self.packed = self._ext.pack(weight) if panels is None else panels
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._ext.linear_amx(x, self.packed, self.out_features)
-
-    def weight_tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.packed,)
 
 
 class OneDnnLinear:

@@ -383,9 +383,7 @@ torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, int64_t n) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t p = i / blocks, b = i % blocks, first = b * block_rows;
       if (first >= M) continue;
-      const int64_t cols = std::min(kPanel, n - p * kPanel);
-      const auto keep0 = static_cast<__mmask16>((1u << std::min<int64_t>(cols, 16)) - 1u);
-      const auto keep1 = static_cast<__mmask16>(cols > 16 ? (1u << (cols - 16)) - 1u : 0u);
+      const auto [keep0, keep1] = panel_masks(p, n);
       const bool has_next = (p + 1) * blocks < i1 && p + 1 < panels;
       amx_panel(xp, xs, tp, tail_from, w + p * panel_bytes, has_next ? w + (p + 1) * panel_bytes : nullptr,
                 K * b / blocks, K * (b + 1) / blocks, K, o + p * kPanel, n, first, std::min(block_rows, M - first),

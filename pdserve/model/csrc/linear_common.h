@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 namespace pdserve_linear {
 
@@ -51,11 +52,16 @@ struct PanelJob {
   uint16_t keep0, keep1;
 };
 
+// The masks of panel p's valid columns of n, per 16-column half (all set but on a partial last panel).
+inline std::pair<uint16_t, uint16_t> panel_masks(int64_t p, int64_t n) {
+  const int64_t cols = std::min(kPanel, n - p * kPanel);
+  return {static_cast<uint16_t>((1u << std::min<int64_t>(cols, 16)) - 1u),
+          static_cast<uint16_t>(cols > 16 ? (1u << (cols - 16)) - 1u : 0u)};
+}
+
 inline PanelJob panel_job(int64_t i, int64_t M, int64_t n, int64_t panels, int64_t block_rows = kBlockRows) {
   const int64_t b = i / panels, p = i % panels, first = b * block_rows;
-  const int64_t cols = std::min(kPanel, n - p * kPanel);
-  const auto k0 = static_cast<uint16_t>((1u << std::min<int64_t>(cols, 16)) - 1u);
-  const auto k1 = static_cast<uint16_t>(cols > 16 ? (1u << (cols - 16)) - 1u : 0u);
+  const auto [k0, k1] = panel_masks(p, n);
   return {first, std::min(block_rows, M - first), p, k0, k1};
 }
 
