@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -92,7 +93,7 @@ inline void softmax_inplace(float* s, int64_t L) {
 
 // Runs fn(item) for items 0..costs.size()-1, split into contiguous per-thread ranges of about equal cost.
 template <typename F>
-void for_each_costed(const std::vector<int64_t>& costs, const F& fn) {
+void for_each_costed_ranged(const std::vector<int64_t>& costs, const F& fn) {
   const int64_t n = static_cast<int64_t>(costs.size());
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
   int64_t total = 0;
@@ -106,8 +107,12 @@ void for_each_costed(const std::vector<int64_t>& costs, const F& fn) {
   }
   at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
-      for (int64_t i = bounds[p]; i < bounds[p + 1]; ++i) fn(i);
+      for (int64_t i = bounds[p]; i < bounds[p + 1]; ++i) fn(i, i == bounds[p], i + 1 == bounds[p + 1]);
   });
+}
+template <typename F>
+void for_each_costed(const std::vector<int64_t>& costs, const F& fn) {
+  for_each_costed_ranged(costs, [&](int64_t i, bool, bool) { fn(i); });
 }
 
 // Runs fn(item) for every (request, kv head) item (item = request * KVH + head), the cost of an item
@@ -118,6 +123,36 @@ void for_each_item(const int64_t* ctx, int64_t B, int64_t KVH, const F& fn) {
   for (int64_t i = 0; i < B * KVH; ++i) costs[i] = ctx[i / KVH] + 32;
   for_each_costed(costs, fn);
 }
+template <typename F>
+void for_each_item_ranged(const int64_t* ctx, int64_t B, int64_t KVH, const F& fn) {
+  std::vector<int64_t> costs(B * KVH);
+  for (int64_t i = 0; i < B * KVH; ++i) costs[i] = ctx[i / KVH] + 32;
+  for_each_costed_ranged(costs, fn);
+}
+
+// The lines of a list of cache blocks, prefetched into L2 a few at a time while the kernel computes on
+// other rows: pace(done, total) issues prefetches until the share issued reaches done / total, so the
+// reads are spread evenly over the compute they hide under (a burst of a block's worth stalls on the
+// core's fill buffers).
+struct L2Stream {
+  const char* base = nullptr;
+  const int64_t* blocks = nullptr;
+  int64_t block_bytes = 0, last_bytes = 0, nblocks = 0, lines = 0, issued = 0, j = 0, off = 0;
+  void start(const void* b, const int64_t* blk, int64_t nb, int64_t bytes_per_block, int64_t bytes_of_last) {
+    base = static_cast<const char*>(b), blocks = blk, nblocks = nb, block_bytes = bytes_per_block;
+    last_bytes = bytes_of_last, lines = nb == 0 ? 0 : ((nb - 1) * bytes_per_block + bytes_of_last + 63) / 64;
+    issued = j = off = 0;
+  }
+  void pace(int64_t done, int64_t total) {
+    const int64_t target = total <= 0 ? lines : std::min(lines, (lines * done + total - 1) / total);
+    for (; issued < target; ++issued) {
+      _mm_prefetch(base + blocks[j] * block_bytes + off, _MM_HINT_T1);
+      off += 64;
+      if (off >= (j + 1 == nblocks ? last_bytes : block_bytes)) off = 0, ++j;
+    }
+  }
+};
+
 
 // Row loaders of the portable loop: load(rows, is_v, h, blk, n) writes the first n rows of block blk of
 // kv head h (is_v: the V side, else K) as float into rows [n, D]. A policy per cache layout keeps one
@@ -282,6 +317,55 @@ inline __m512 hsum16(const __m512* v) {
   const __m512 x1 = add(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
                         _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
   return add(_mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// 2^x for finite x <= ~0 (x = -1e30 gives 0): x = n + f with n an integer and |f| <= 1/2, 2^f by its
+// degree-6 Taylor polynomial (relative error < 2e-7), times 2^n in one instruction (vscalefps). Below
+// 2^-100 it returns 0, not a denormal (see kSoftmaxFlush: the online softmax's sums and rescales would
+// otherwise multiply denormals).
+inline __m512 exp2_ps(__m512 x) {
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kSoftmaxFlushLog2), _CMP_GE_OQ);
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5403530e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_scalef_ps(keep, p, n);
+}
+
+// Softmax of one query head's L scores in place, as softmax_inplace but 16 lanes at a time: the max
+// (two accumulators), 2^((s - max) log2 e) through exp2_ps (flushed below 2^-100 as the scalar loop
+// flushes below e^-69), the sum, and the scale by its inverse. GCC left softmax_inplace's max a scalar
+// chain (one vmaxss per score, 4 cycles each: ~16% of a cache-resident decode call).
+inline void softmax_avx512(float* s, int64_t L) {
+  const int64_t full = L & ~int64_t{15};
+  const __mmask16 tail = static_cast<__mmask16>((1u << (L - full)) - 1u);
+  __m512 m0 = _mm512_set1_ps(-FLT_MAX), m1 = m0;
+  int64_t t = 0;
+  for (; t + 32 <= full; t += 32)
+    m0 = _mm512_max_ps(m0, _mm512_loadu_ps(s + t)), m1 = _mm512_max_ps(m1, _mm512_loadu_ps(s + t + 16));
+  if (t < full) m0 = _mm512_max_ps(m0, _mm512_loadu_ps(s + t));
+  if (tail) m1 = _mm512_mask_max_ps(m1, tail, m1, _mm512_maskz_loadu_ps(tail, s + full));
+  const float m = _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
+  const __m512 log2e = _mm512_set1_ps(1.4426950408889634f), shift = _mm512_set1_ps(m * 1.4426950408889634f);
+  __m512 sum = _mm512_setzero_ps();
+  for (t = 0; t < full; t += 16) {
+    const __m512 e = exp2_ps(_mm512_fmsub_ps(_mm512_loadu_ps(s + t), log2e, shift));
+    _mm512_storeu_ps(s + t, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  if (tail) {
+    const __m512 e = _mm512_maskz_mov_ps(tail, exp2_ps(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(tail, s + full), log2e, shift)));
+    _mm512_mask_storeu_ps(s + full, tail, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+  for (t = 0; t < full; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inv));
+  if (tail) _mm512_mask_storeu_ps(s + full, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + full), inv));
 }
 
 inline void prefetch_rows(const void* p, int64_t bytes) {
@@ -478,9 +562,10 @@ __attribute__((always_inline)) inline void bf16_scores16(const void* q, const vo
 // the 1.5B's 6 x 128) would not fit in the 32 vector registers. row(t, c, v0, v1) gives row t's 32
 // values of slice c as two float vectors (in whatever order accm keeps), p + g * stride + t head g's
 // weight of row t. Shared by every decode kernel's V pass (decode_avx512, decode_int4_avx512).
-template <int D, int G, typename Row>
+struct NoTick { void operator()(int, int64_t) const {} };
+template <int D, int G, typename Row, typename Tick = NoTick>
 __attribute__((always_inline)) inline void pv_block(float (*accm)[D], const float* p, int64_t stride, int64_t n,
-                                                    const Row& row) {
+                                                    const Row& row, const Tick& tick = Tick()) {
   for (int c = 0; c < D / 32; ++c) {
     __m512 acc[G][2];
     for (int g = 0; g < G; ++g)
@@ -493,6 +578,7 @@ __attribute__((always_inline)) inline void pv_block(float (*accm)[D], const floa
         acc[g][0] = _mm512_fmadd_ps(w, v0, acc[g][0]);
         acc[g][1] = _mm512_fmadd_ps(w, v1, acc[g][1]);
       }
+      if ((t & 15) == 15 || t + 1 == n) tick(c, t + 1);
     }
     for (int g = 0; g < G; ++g)
       _mm512_store_ps(accm[g] + 32 * c, acc[g][0]), _mm512_store_ps(accm[g] + 32 * c + 16, acc[g][1]);
@@ -500,9 +586,12 @@ __attribute__((always_inline)) inline void pv_block(float (*accm)[D], const floa
 }
 
 // bf16 K/V, head_dim D (64 or 128), G query heads per kv head: AVX-512 BF16 dot products for q.k (32
-// pairs per instruction, no conversion of K), 16 tokens' scores reduced together, and blocks prefetched
-// kPrefetch ahead (blocks are scattered: 30 layers' caches of 10 x 1,200 tokens in random blocks read at
-// 21 GB/s with one block ahead, 26-28 with 4-12). p.v: pv_block, one 32-dim slice of V at a time.
+// pairs per instruction, no conversion of K), 16 tokens' scores reduced together; softmax_avx512; p.v:
+// pv_block, one 32-dim slice of V at a time. Memory: while one side (an item's K, then its V) is
+// computed on, the next (its V, then the thread's next item's K) is prefetched into L2 at the pace of
+// the compute (L2Stream). On host E (2 cores, DRAM ~17 GB/s) that read 11-12 GB/s at 16-64 sequences
+// where a pure-load pass before each side's compute read 9-10 (benchmarks/attention_kernels.py,
+// 128-token blocks scattered at random, session 18).
 // A quantized cache (R = Int8Rows, Fp8Rows) takes the same path: 16 K rows are converted to bf16 once
 // into an L1 buffer that the G heads then read as they read a bf16 block (int8 with VNNI: widened to
 // int16 for integer dot products instead, see Int8Rows), the 16 scores are multiplied by their rows' K
@@ -510,8 +599,6 @@ __attribute__((always_inline)) inline void pv_block(float (*accm)[D], const floa
 // offsets m: q.k_t = s_t (q . c_t) + m_t sum(q), each head's sum(q) once per step; p.v = sum_t (p_t s_t)
 // c_t + sum_t p_t m_t, the second one scalar per head added to every dim at the end (the int4 kernel's
 // values take the same fold).
-constexpr int64_t kPrefetch = 6;
-constexpr int64_t kTouch = 16;  // one line of the block this far ahead: its page walk and DRAM row early (+5-10%)
 template <int D, int G, typename R>
 void decode_avx512(const at::BFloat16* q, const typename R::T* k_cache, const typename R::T* v_cache,
                    const float* k_scale, const float* v_scale, const int64_t* table, const int64_t* ctx,
@@ -521,11 +608,22 @@ void decode_avx512(const at::BFloat16* q, const typename R::T* k_cache, const ty
   constexpr int NC = D / 32;  // 32-dim slices of a row: bf16 vectors of q and k, cache lines of bf16 v
   const int64_t block_bytes = BS * D * static_cast<int64_t>(sizeof(T)), scale_bytes = BS * 4;
   const __m512 vscale = _mm512_set1_ps(scale);
-  for_each_item(ctx, B, KVH, [&](int64_t idx) {
+  for_each_item_ranged(ctx, B, KVH, [&](int64_t idx, bool first, bool last) {
     thread_local std::vector<float> scores;
     const int64_t b = idx / KVH, h = idx % KVH, L = ctx[b];
     const int64_t* blocks = table + b * max_blocks;
     const int64_t nblocks = (L + BS - 1) / BS;
+    const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+    L2Stream stream, params;  // rows, and a quantized cache's row parameters
+    const auto start_streams = [&](const T* rows, const float* slots, const int64_t* blk, int64_t L1) {
+      const int64_t nb1 = (L1 + BS - 1) / BS, last_rows = L1 - (nb1 - 1) * BS;
+      stream.start(rows, blk, nb1, block_bytes, last_rows * row_bytes);
+      if (R::kQuantized) params.start(slots, blk, nb1, scale_bytes, last_rows * 4);
+    };
+    const auto pace = [&](int64_t done, int64_t total) {
+      stream.pace(done, total);
+      if (R::kQuantized) params.pace(done, total);
+    };
     const at::BFloat16* qh = q + (b * H + h * G) * D;  // the group's G query heads, contiguous
     const int64_t stride = nblocks * BS + 16;  // room to store whole 16-token groups past L
     scores.resize(G * stride);
@@ -533,20 +631,9 @@ void decode_avx512(const at::BFloat16* q, const typename R::T* k_cache, const ty
     const T* vh = v_cache + h * NB * BS * D;
     const float* ksh = R::kQuantized ? k_scale + h * NB * BS : nullptr;
     const float* vsh = R::kQuantized ? v_scale + h * NB * BS : nullptr;
-    // Block a's K with its K and V scales (or, past the last, V block a - nblocks), into L1.
-    const auto prefetch_block = [&](int64_t a) {
-      const bool k_side = a < nblocks;
-      const int64_t blk = blocks[k_side ? a : a - nblocks];
-      prefetch_rows((k_side ? kh : vh) + blk * BS * D, block_bytes);
-      if (R::kQuantized && k_side) prefetch_rows(ksh + blk * BS, scale_bytes), prefetch_rows(vsh + blk * BS, scale_bytes);
-    };
-    // A pure-load pass over the item's K blocks before the K pass (and its V blocks before the p.v pass):
-    // one load per cache line and nothing else, so as many misses are in flight as the core allows and
-    // the L2 streamer runs ahead in each page; the pass that follows computes on L2-resident rows. With
-    // the compute interleaved, a core read scattered 16 KiB blocks from DRAM at ~6 GB/s against ~13 for
-    // a pure read (software prefetch, at any distance or none, changed nothing); with this pass a 30-layer
-    // step over a 3 GB cache of 128-token blocks ran 10-30% faster on 2 threads (host A', session 10: both
-    // variants built side by side; benchmarks/attention_kernels.py times the kernel on cold caches).
+    // A thread's first item reads its K blocks in a pure-load pass first (one load per line and nothing
+    // else: as many misses in flight as the core allows, the L2 streamer running ahead in each page);
+    // every later side arrives through the streams above, prefetched under the compute of the side before.
     const auto warm = [&](const T* base) {
       __m512i x = _mm512_setzero_si512();
       for (int64_t j = 0; j < nblocks; ++j) {
@@ -556,7 +643,8 @@ void decode_avx512(const at::BFloat16* q, const typename R::T* k_cache, const ty
       }
       asm volatile("" : : "v"(x));  // keeps the loads
     };
-    warm(kh);
+    if (first) warm(kh);
+    start_streams(vh, vsh, blocks, L);
     alignas(64) uint16_t kconv[R::kQuantized ? 16 * D : 1];  // 16 quantized K rows as bf16 (int16 for VNNI)
     alignas(64) int16_t q16[R::kIntDot ? G * D : 1];
     float q_unit[G];
@@ -571,15 +659,10 @@ void decode_avx512(const at::BFloat16* q, const typename R::T* k_cache, const ty
     for (int64_t j = 0; j < nblocks; ++j) {
       const T* kb = kh + blocks[j] * BS * D;
       const float* ksb = R::kQuantized ? ksh + blocks[j] * BS : nullptr;
-      // Blocks kPrefetch ahead, running on into the first V blocks at the end of the K pass.
-      if (j == 0)
-        for (int64_t a = 1; a < kPrefetch && a < nblocks; ++a) prefetch_block(a);
-      if (j + kPrefetch < 2 * nblocks) prefetch_block(j + kPrefetch);
-      if (j + kTouch < nblocks) _mm_prefetch(reinterpret_cast<const char*>(kh + blocks[j + kTouch] * BS * D), _MM_HINT_T2);
-      else if (j + kTouch - nblocks < nblocks) _mm_prefetch(reinterpret_cast<const char*>(vh + blocks[j + kTouch - nblocks] * BS * D), _MM_HINT_T2);
       const int64_t t0 = j * BS, n = std::min(BS, L - t0);
       int64_t t = 0;
       for (; t + 16 <= BS && t < n; t += 16) {  // 16 rows at a time (rows past n are read, never used)
+        pace(t0 + t + 16, L);
         __m512 row_scale = vscale, row_zero = _mm512_setzero_ps();  // softmax scale x the rows' s, m
         if constexpr (R::kQuantized) {
           __m512 s, m;
@@ -634,7 +717,7 @@ void decode_avx512(const at::BFloat16* q, const typename R::T* k_cache, const ty
         }
       }
     }
-    for (int g = 0; g < G; ++g) softmax_inplace(scores.data() + g * stride, L);
+    for (int g = 0; g < G; ++g) softmax_avx512(scores.data() + g * stride, L);
     float z_sum[G] = {};  // int8: sum_t p_t m_t per head, added to every output dim
     if constexpr (R::kQuantized) {  // p * v_scale over the whole context: V rows then enter p.v unscaled
       __m512 zacc[G];
@@ -657,18 +740,24 @@ void decode_avx512(const at::BFloat16* q, const typename R::T* k_cache, const ty
       if constexpr (R::kZero)
         for (int g = 0; g < G; ++g) z_sum[g] = _mm512_reduce_add_ps(zacc[g]);
     }
-    warm(vh);
+    pace(1, 1);  // the rest of V
+    stream = params = L2Stream();
+    if (!last) {  // the thread's next item's K
+      const int64_t b1 = (idx + 1) / KVH, h1 = (idx + 1) % KVH;
+      start_streams(k_cache + h1 * NB * BS * D, R::kQuantized ? k_scale + h1 * NB * BS : nullptr,
+                    table + b1 * max_blocks, ctx[b1]);
+    }
     alignas(64) float accm[G][D];
     for (int g = 0; g < G; ++g)
       for (int d = 0; d < D; d += 16) _mm512_store_ps(accm[g] + d, _mm512_setzero_ps());
     for (int64_t j = 0; j < nblocks; ++j) {
       const T* vb = vh + blocks[j] * BS * D;
-      if (j + kPrefetch < nblocks) prefetch_block(nblocks + j + kPrefetch);
-      if (j + kTouch < nblocks) _mm_prefetch(reinterpret_cast<const char*>(vh + blocks[j + kTouch] * BS * D), _MM_HINT_T2);
       const int64_t t0 = j * BS, n = std::min(BS, L - t0);
       pv_block<D, G>(accm, scores.data() + t0, stride, n,
-                     [&](int64_t t, int c, __m512& v0, __m512& v1) { R::f32x32(vb + t * D + 32 * c, v0, v1); });
+                     [&](int64_t t, int c, __m512& v0, __m512& v1) { R::f32x32(vb + t * D + 32 * c, v0, v1); },
+                     [&](int c, int64_t t) { pace(t0 * NC + c * n + t, L * NC); });
     }
+    pace(1, 1);
     for (int g = 0; g < G; ++g) {
       at::BFloat16* o = out + (b * H + h * G + g) * D;
       const __m512 z = _mm512_set1_ps(z_sum[g]);
@@ -679,24 +768,6 @@ void decode_avx512(const at::BFloat16* q, const typename R::T* k_cache, const ty
       }
     }
   });
-}
-
-// 2^x for finite x <= ~0 (x = -1e30 gives 0): x = n + f with n an integer and |f| <= 1/2, 2^f by its
-// degree-6 Taylor polynomial (relative error < 2e-7), times 2^n in one instruction (vscalefps). Below
-// 2^-100 it returns 0, not a denormal (see kSoftmaxFlush: the online softmax's sums and rescales would
-// otherwise multiply denormals).
-inline __m512 exp2_ps(__m512 x) {
-  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kSoftmaxFlushLog2), _CMP_GE_OQ);
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.5403530e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_scalef_ps(keep, p, n);
 }
 
 // Shared by the prefill flash kernels (bf16/int8/fp8 and int4). The work items: (sequence, kv head,
@@ -1088,6 +1159,7 @@ void prefill_amx(const at::BFloat16* q, const at::BFloat16* k_cache, const at::B
 // span and then its odd ones. Rather than re-interleave every row, the queries are permuted once into the
 // keys' order (per 64 dims: 32 even, 32 odd) and the V accumulators kept in the values' order (per 32
 // dims: 16 even, 16 odd), put back in order once per item; open V rows are permuted into that order.
+constexpr int64_t kPrefetch = 6;  // blocks the int4 kernel prefetches ahead into L1
 template <int D, int G>
 void decode_int4_avx512(const at::BFloat16* q, const uint8_t* k_cache, const uint8_t* v_cache, const at::Half* k_scale,
                         const at::Half* k_zero, const at::Half* v_scale, const at::Half* v_zero,
@@ -1214,7 +1286,7 @@ void decode_int4_avx512(const at::BFloat16* q, const uint8_t* k_cache, const uin
         });
       }
     }
-    for (int g = 0; g < G; ++g) softmax_inplace(scores.data() + g * stride, L);
+    for (int g = 0; g < G; ++g) softmax_avx512(scores.data() + g * stride, L);
     warm(false);
     alignas(64) float accm[G][D];  // in the values' order
     __m512 zacc[G];                // sum_t p_t z_t, per lane

@@ -10,6 +10,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
+#include <type_traits>
 
 namespace {
 
@@ -50,9 +52,24 @@ __attribute__((noinline)) void add_rms_norm_rows(T* __restrict__ x, const T* __r
   }
 }
 
+#if defined(__AVX512F__)
+// The same rows 16 lanes at a time for bf16 (below): the scalar loops above do not vectorise, as
+// c10's float -> bf16 conversion (NaN check, then round to nearest even) stays a scalar call.
+void add_rms_norm_rows_bf16(at::BFloat16* x, const at::BFloat16* delta, const at::BFloat16* w, at::BFloat16* out,
+                            int64_t begin, int64_t end, int64_t D, float eps);
+void rope_rows_bf16(at::BFloat16* qkv, const at::BFloat16* cos, const at::BFloat16* sin, int64_t begin, int64_t end,
+                    int64_t row_stride, int64_t heads, int64_t D);
+#endif
+
 template <typename T>
 void add_rms_norm_kernel(T* x, const T* delta, const T* w, T* out, int64_t rows, int64_t D, float eps) {
   at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      add_rms_norm_rows_bf16(x, delta, w, out, begin, end, D, eps);
+      return;
+    }
+#endif
     add_rms_norm_rows(x, delta, w, out, begin, end, D, eps);
   });
 }
@@ -85,6 +102,14 @@ template <typename T>
 void rope_kernel(T* qkv, const T* cos, const T* sin, int64_t rows, int64_t row_stride, int64_t heads,
                  int64_t D) {
   at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      if (D % 32 == 0) {  // halves of whole 16-lane vectors
+        rope_rows_bf16(qkv, cos, sin, begin, end, row_stride, heads, D);
+        return;
+      }
+    }
+#endif
     rope_rows(qkv, cos, sin, begin, end, row_stride, heads, D);
   });
 }
@@ -115,14 +140,69 @@ inline __m512 bf16_to_float(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-// Round to bf16 (nearest even), as 16-bit patterns in the low halves of 32-bit lanes.
+// Round to bf16 (nearest even), as 16-bit patterns in the low halves of 32-bit lanes; NaN becomes
+// 0x7FC0 as c10's conversion makes it.
 inline __m512i round_bf16_bits(__m512 v) {
   __m512i bits = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-  return _mm512_srli_epi32(bits, 16);
+  return _mm512_mask_mov_epi32(_mm512_srli_epi32(bits, 16), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                               _mm512_set1_epi32(0x7fc0));
 }
 inline __m512 bits_to_float(__m512i b16) { return _mm512_castsi512_ps(_mm512_slli_epi32(b16, 16)); }
+inline __m512 rb(__m512 v) { return bits_to_float(round_bf16_bits(v)); }  // r<bf16> for 16 lanes
+inline void store_bf16(at::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(round_bf16_bits(v)));
+}
+
+// add_rms_norm_rows for bf16, the same roundings (the sum of squares in another order, as before).
+void add_rms_norm_rows_bf16(at::BFloat16* x, const at::BFloat16* delta, const at::BFloat16* w, at::BFloat16* out,
+                            int64_t begin, int64_t end, int64_t D, float eps) {
+  const int64_t full = D & ~int64_t{15};
+  for (int64_t i = begin; i < end; ++i) {
+    at::BFloat16* xi = x + i * D;
+    if (delta != nullptr) {
+      const at::BFloat16* di = delta + i * D;
+      for (int64_t d = 0; d < full; d += 16) store_bf16(xi + d, _mm512_add_ps(bf16_to_float(xi + d), bf16_to_float(di + d)));
+      for (int64_t d = full; d < D; ++d) xi[d] = round_to<at::BFloat16>(to_float(xi[d]) + to_float(di[d]));
+    }
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t d = 0; d < full; d += 16) {
+      const __m512 v = bf16_to_float(xi + d);
+      acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+    }
+    float ss = _mm512_reduce_add_ps(acc);
+    for (int64_t d = full; d < D; ++d) ss += to_float(xi[d]) * to_float(xi[d]);
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
+    const __m512 vinv = _mm512_set1_ps(inv);
+    at::BFloat16* oi = out + i * D;
+    for (int64_t d = 0; d < full; d += 16)
+      store_bf16(oi + d, _mm512_mul_ps(bf16_to_float(w + d), rb(_mm512_mul_ps(bf16_to_float(xi + d), vinv))));
+    for (int64_t d = full; d < D; ++d)
+      oi[d] = round_to<at::BFloat16>(to_float(w[d]) * r<at::BFloat16>(to_float(xi[d]) * inv));
+  }
+}
+
+// rope_rows for bf16 with D a multiple of 32, the same roundings: each product, then the sum.
+void rope_rows_bf16(at::BFloat16* qkv, const at::BFloat16* cos, const at::BFloat16* sin, int64_t begin, int64_t end,
+                    int64_t row_stride, int64_t heads, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t i = begin; i < end; ++i) {
+    const at::BFloat16* c = cos + i * D;
+    const at::BFloat16* s = sin + i * D;
+    for (int64_t h = 0; h < heads; ++h) {
+      at::BFloat16* x = qkv + i * row_stride + h * D;
+      for (int64_t d = 0; d < half; d += 16) {
+        const __m512 x1 = bf16_to_float(x + d), x2 = bf16_to_float(x + d + half);
+        const __m512 lo = _mm512_sub_ps(rb(_mm512_mul_ps(x1, bf16_to_float(c + d))), rb(_mm512_mul_ps(x2, bf16_to_float(s + d))));
+        const __m512 hi = _mm512_add_ps(rb(_mm512_mul_ps(x2, bf16_to_float(c + d + half))),
+                                        rb(_mm512_mul_ps(x1, bf16_to_float(s + d + half))));
+        store_bf16(x + d, lo);
+        store_bf16(x + d + half, hi);
+      }
+    }
+  }
+}
 
 // out[t, i] = bf16(bf16(silu(gate)) * up) with gate = gate_up[t, i], up = gate_up[t, I + i], as
 // `F.silu(gate) * up` rounds: silu in float32 as x / (1 + exp(-x)), rounded to bf16, then the product.
@@ -184,6 +264,20 @@ void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t head
   });
 }
 
+// rope_ on the q and k heads, then q, k, v as [T, heads, head_dim] views of qkv (made here: three
+// slices and views from Python cost ~19 us a layer on a slow host, the rotation itself ~1 us at one row).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_qkv_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                                                                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+  TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && head_dim > 0 && qkv.dim() == 2 &&
+                  qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
+              "qkv must be [T, (heads + 2 kv_heads) * head_dim]");
+  rope_(qkv, cos, sin, num_heads + num_kv_heads, head_dim);
+  const int64_t T = qkv.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  return {qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim}),
+          qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim}),
+          qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim})};
+}
+
 bool has_silu_mul() {
 #if defined(__AVX512F__)
   return true;
@@ -211,6 +305,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "x += delta; return weight * rms_norm(x)");
   m.def("rope_", &rope_, "rotary embedding in place on the first heads of each row");
+  m.def("rope_qkv_", &rope_qkv_, "rope_ on the q and k heads of qkv, then its q, k, v views");
   m.def("has_silu_mul", &has_silu_mul, "whether silu_mul has its AVX-512 path in this build");
   m.def("silu_mul", &silu_mul, "F.silu(gate) * up from the fused gate/up projection (bf16)");
 }
