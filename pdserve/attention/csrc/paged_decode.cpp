@@ -91,7 +91,8 @@ inline void softmax_inplace(float* s, int64_t L) {
   for (int64_t t = 0; t < L; ++t) s[t] *= inv;
 }
 
-// Runs fn(item) for items 0..costs.size()-1, split into contiguous per-thread ranges of about equal cost.
+// Runs fn(item, first, last) for items 0..costs.size()-1, split into contiguous per-thread ranges of
+// about equal cost; first / last: the item opens / closes its thread's range. for_each_costed: fn(item).
 template <typename F>
 void for_each_costed_ranged(const std::vector<int64_t>& costs, const F& fn) {
   const int64_t n = static_cast<int64_t>(costs.size());
@@ -115,19 +116,18 @@ void for_each_costed(const std::vector<int64_t>& costs, const F& fn) {
   for_each_costed_ranged(costs, [&](int64_t i, bool, bool) { fn(i); });
 }
 
-// Runs fn(item) for every (request, kv head) item (item = request * KVH + head), the cost of an item
-// being its context length plus a fixed overhead.
-template <typename F>
-void for_each_item(const int64_t* ctx, int64_t B, int64_t KVH, const F& fn) {
-  std::vector<int64_t> costs(B * KVH);
-  for (int64_t i = 0; i < B * KVH; ++i) costs[i] = ctx[i / KVH] + 32;
-  for_each_costed(costs, fn);
-}
+// Runs fn(item, first, last) for every (request, kv head) item (item = request * KVH + head), the cost of
+// an item being its context length plus a fixed overhead; first / last: the item opens / closes its
+// thread's range. for_each_item: fn(item) alone.
 template <typename F>
 void for_each_item_ranged(const int64_t* ctx, int64_t B, int64_t KVH, const F& fn) {
   std::vector<int64_t> costs(B * KVH);
   for (int64_t i = 0; i < B * KVH; ++i) costs[i] = ctx[i / KVH] + 32;
   for_each_costed_ranged(costs, fn);
+}
+template <typename F>
+void for_each_item(const int64_t* ctx, int64_t B, int64_t KVH, const F& fn) {
+  for_each_item_ranged(ctx, B, KVH, [&](int64_t i, bool, bool) { fn(i); });
 }
 
 // The lines of a list of cache blocks, prefetched into L2 a few at a time while the kernel computes on
@@ -152,7 +152,6 @@ struct L2Stream {
     }
   }
 };
-
 
 // Row loaders of the portable loop: load(rows, is_v, h, blk, n) writes the first n rows of block blk of
 // kv head h (is_v: the V side, else K) as float into rows [n, D]. A policy per cache layout keeps one
