@@ -216,8 +216,8 @@ __attribute__((noinline)) void silu_mul_rows(const at::BFloat16* __restrict__ gu
     int64_t i = 0;
     for (; i + 16 <= I; i += 16) {
       const __m512 x = bf16_to_float(g + i);
-      const __m512 s = bits_to_float(round_bf16_bits(_mm512_div_ps(x, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x))))));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), _mm512_cvtepi32_epi16(round_bf16_bits(_mm512_mul_ps(s, bf16_to_float(u + i)))));
+      const __m512 s = rb(_mm512_div_ps(x, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x)))));
+      store_bf16(o + i, _mm512_mul_ps(s, bf16_to_float(u + i)));
     }
     for (; i < I; ++i) {
       const float x = to_float(g[i]);
