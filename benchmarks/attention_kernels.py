@@ -4,6 +4,11 @@ read from the cache and the GB/s that makes.
 
     .venv/bin/python benchmarks/attention_kernels.py [--contexts 256,1024,2048,4096,8192] [--batches 1,16,64]
         [--heads 9 --kv-heads 3 --head-dim 64] [--json results/attention_kernels.json]
+    .venv/bin/python benchmarks/attention_kernels.py --kv-dtypes bf16 --paths auto,avx2,portable,torch
+
+`--paths` times other decode paths on the bf16 cache beside it, each in its own column: `avx2` and
+`portable` the C++ kernel's AVX2 + FMA path and its portable loop forced (`paged_decode(isa=...)`),
+`torch` the reference's gather + bmm; `auto` is what the engine calls (the fastest path the build has).
 
 Decode is bandwidth-bound: a step reads every running sequence's K and V once. A quantized row is D bytes
 plus 4 bytes of row parameters instead of 2D bytes (0.53x at head_dim 64), so the int8/fp8 columns should
@@ -27,6 +32,7 @@ import torch
 
 from pdserve.attention.base import DecodeGroup
 from pdserve.attention.cpu_paged import CpuPagedAttention
+from pdserve.attention.torch_ref import TorchAttention
 from pdserve.bench.machine import cpu_flags, cpu_name
 from pdserve.kv.cache import LayerCache
 
@@ -56,7 +62,19 @@ def bytes_per_call(batch: int, context: int, kvh: int, heads: int, head_dim: int
     return 2 * batch * context * kvh * row + 2 * batch * heads * head_dim * 2
 
 
-def measure(attn: CpuPagedAttention, kv_dtype: str, batch: int, context: int, args: argparse.Namespace) -> dict:
+def decode_call(attn: CpuPagedAttention, path: str):  # type: ignore[no-untyped-def]
+    """The decode function a column times: `auto` the engine's, else one path forced (see --paths)."""
+    if path == "auto":
+        return attn.decode
+    if path == "torch":
+        return lambda q, cache, g, scale: TorchAttention.decode(attn, q, cache, g, scale)
+    return lambda q, cache, g, scale: attn._kernel.paged_decode(
+        q, cache.k, cache.v, g.block_table, g.context_lens, scale, cache.k_scale, cache.v_scale, isa=path
+    )
+
+
+def measure(attn: CpuPagedAttention, kv_dtype: str, batch: int, context: int, args: argparse.Namespace,
+            path: str = "auto") -> dict:
     kvh, heads, d, bs = args.kv_heads, args.heads, args.head_dim, args.block_size
     blocks_per_seq = -(-context // bs)
     num_blocks = batch * blocks_per_seq
@@ -67,20 +85,22 @@ def measure(attn: CpuPagedAttention, kv_dtype: str, batch: int, context: int, ar
     for _ in range(layers):
         caches.append(random_cache(kv_dtype, kvh, num_blocks, bs, d))
         table = torch.randperm(num_blocks, generator=g).view(batch, blocks_per_seq)
-        groups.append(DecodeGroup(0, batch, table, torch.full((batch,), context, dtype=torch.int64), None))  # type: ignore[arg-type]
+        mask = (torch.arange(blocks_per_seq * bs) < context).view(1, 1, 1, -1).expand(batch, 1, 1, -1)
+        groups.append(DecodeGroup(0, batch, table, torch.full((batch,), context, dtype=torch.int64), mask))
     q = torch.randn(batch, heads, d).bfloat16()
     scale = d**-0.5
+    decode = decode_call(attn, path)
     for cache, group in zip(caches, groups):  # warm-up: page faults, thread pool
-        attn.decode(q, cache, group, scale)
+        decode(q, cache, group, scale)
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
         for cache, group in zip(caches, groups):
-            attn.decode(q, cache, group, scale)
+            decode(q, cache, group, scale)
         times.append((time.perf_counter() - t0) / layers)
     t = statistics.median(times) if args.stat == "median" else min(times)
     return {
-        "kv_dtype": kv_dtype, "batch": batch, "context": context, "layers_cycled": layers,
+        "kv_dtype": kv_dtype, "path": path, "batch": batch, "context": context, "layers_cycled": layers,
         "us_per_layer": t * 1e6, "ms_per_step": t * 1e3 * args.model_layers, "bytes_per_layer": nbytes,
         "gb_per_s": nbytes / t / 1e9, "us_per_layer_median": statistics.median(times) * 1e6,
         "us_per_layer_best": min(times) * 1e6,
@@ -92,6 +112,8 @@ def main() -> None:
     ap.add_argument("--contexts", default="256,512,1024,2048,4096,8192")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--kv-dtypes", default=",".join(KV_DTYPES))
+    ap.add_argument("--paths", default="auto",
+                    help="decode paths on the bf16 cache, one column each: auto, avx2, portable, torch")
     ap.add_argument("--heads", type=int, default=9)
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
@@ -117,18 +139,23 @@ def main() -> None:
           f"{' '.join(f for f, on in cpu_flags().items() if on)}")
     for k, p in paths.items():
         print(f"decode {k}: {p}")
+    # Columns: each kv dtype through the engine's path, and the bf16 cache through each other path.
+    columns = [(k, "auto") for k in kv_dtypes if k != "bf16" or "auto" in args.paths.split(",")]
+    if "bf16" in kv_dtypes:
+        columns += [("bf16", p) for p in args.paths.split(",") if p != "auto"]
+    names = {(k, p): k if p == "auto" else f"{k} {p}" for k, p in columns}
     results = []
     header = f"{'batch':>5} {'context':>7} " + " ".join(
-        f"{k + ' us':>11} {'GB/s':>6}" + ("" if k == "bf16" else f" {'x bf16':>6}") for k in kv_dtypes
+        f"{names[c] + ' us':>15} {'GB/s':>6}" + ("" if names[c] == "bf16" else f" {'x bf16':>6}") for c in columns
     )
     print(header)
     for batch in map(int, args.batches.split(",")):
         for context in map(int, args.contexts.split(",")):
-            row = {k: measure(attn, k, batch, context, args) for k in kv_dtypes}
+            row = {names[(k, p)]: measure(attn, k, batch, context, args, p) for k, p in columns}
             results += row.values()
             cells = []
             for k, r in row.items():
-                cell = f"{r['us_per_layer']:>11.1f} {r['gb_per_s']:>6.1f}"
+                cell = f"{r['us_per_layer']:>15.1f} {r['gb_per_s']:>6.1f}"
                 if k != "bf16" and "bf16" in row:
                     cell += f" {row['bf16']['us_per_layer'] / r['us_per_layer']:>6.2f}"
                 cells.append(cell)

@@ -149,6 +149,58 @@ def test_cpu_paged_decode_long_contexts(cpu_paged, block_size, shape):
         torch.set_num_threads(threads)
 
 
+def decode_isas(cpu_paged) -> list[str]:
+    """The paths `paged_decode(isa=...)` can be forced onto in this build: the portable loop always, the
+    AVX2 + FMA kernel where the compiler targets AVX2 (every AVX-512 CPU too, so it is tested there)."""
+    return ["portable"] + (["avx2"] if cpu_paged._kernel.decode_avx2_path(9, 3, 64) else [])
+
+
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("block_size", [4, 12, 16, 128])
+def test_cpu_paged_decode_forced_paths(cpu_paged, block_size, shape, isa):
+    """Each decode path forced (the AVX2 kernel is what CPUs without AVX-512 run): its 8-rows-at-a-time
+    scores with rows past the context in the last block, blocks that are not a multiple of 8 tokens (its
+    row-at-a-time tail), every fast shape, against naive attention; one thread == two."""
+    if isa not in decode_isas(cpu_paged):
+        pytest.skip(f"no {isa} path in this build")
+    g = torch.Generator().manual_seed(3)
+    (H, KVH, D) = shape
+    ctx = [1, 7, 8, 9, 15, 17, 33, 250, 2, 129]
+    nblocks = sum(-(-c // block_size) for c in ctx) + 2
+    k_cache = torch.randn(KVH, nblocks, block_size, D, generator=g).bfloat16()
+    v_cache = torch.randn(KVH, nblocks, block_size, D, generator=g).bfloat16()
+    perm = torch.randperm(nblocks, generator=g).tolist()
+    max_nb = max(-(-c // block_size) for c in ctx)
+    tables = [[perm.pop() for _ in range(-(-c // block_size))] for c in ctx]
+    table = torch.tensor([t + [0] * (max_nb - len(t)) for t in tables])
+    q = torch.randn(len(ctx), H, D, generator=g).bfloat16()
+    run = lambda: cpu_paged._kernel.paged_decode(q, k_cache, v_cache, table, torch.tensor(ctx), D**-0.5, isa=isa)
+    out = run()
+    for i, (c, t) in enumerate(zip(ctx, tables)):
+        rows = torch.tensor([t[j // block_size] * block_size + j % block_size for j in range(c)])
+        kk = k_cache.reshape(KVH, -1, D)[:, rows].transpose(0, 1)
+        vv = v_cache.reshape(KVH, -1, D)[:, rows].transpose(0, 1)
+        torch.testing.assert_close(out[i : i + 1].float(), naive(q[i : i + 1], kk, vv, D**-0.5), atol=2e-2, rtol=2e-2)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(run(), out)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_cpu_paged_decode_isa_errors(cpu_paged):
+    """An unknown isa, or the AVX2 path asked for where it cannot run (a float32 cache), is an error."""
+    q = torch.randn(1, 9, 64).bfloat16()
+    kc = torch.randn(3, 1, 16, 64)
+    args = (q, kc, kc, torch.zeros(1, 1, dtype=torch.int64), torch.tensor([4]), 0.125)
+    with pytest.raises(RuntimeError, match="isa must be"):
+        cpu_paged._kernel.paged_decode(*args, isa="sse")
+    with pytest.raises(RuntimeError, match="no AVX2 decode path"):
+        cpu_paged._kernel.paged_decode(*args, isa="avx2")
+
+
 @pytest.mark.parametrize("kernel", ["avx512", "amx"])
 @pytest.mark.parametrize("bs", [16, 32])
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)

@@ -88,3 +88,21 @@ def test_fast_kernels_match_the_reference_on_qwen_shapes(cpu_paged, head_dim):
                 # which the two continuations are different sequences.
                 assert got_ids[i] in lp_ref and lp_ref[got_ids[i]] == pytest.approx(lp_ref[ref_ids[i]], abs=0.05)
                 break
+
+
+def test_start_log_names_the_avx2_decode_without_avx512(caplog):
+    """On a CPU without AVX-512 BF16 (AMD EPYC Zen 3 hosts) the log names the AVX2 decode kernel, and the
+    WARNING says prefill is torch's SDPA there."""
+    from pdserve.attention import get_attention_backend
+
+    try:
+        kernel = get_attention_backend("cpu-paged")._kernel
+    except Exception as e:  # no compiler here
+        pytest.skip(f"cpu-paged unavailable: {e}")
+    if kernel.decode_fast_path(True, 9, 3, 64) or not kernel.decode_avx2_path(9, 3, 64):
+        pytest.skip("this build has AVX-512 BF16 kernels, or no AVX2 one")
+    records = start_log(caplog, qwen_like(64))
+    warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING and "attention" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "decode C++ AVX2 + FMA (head_dim 64, 7 query heads per kv head), prefill torch SDPA" in warnings[0]
+    assert "no AVX-512 BF16 (decode runs its AVX2 kernel, prefill torch's SDPA)" in warnings[0]

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -145,10 +146,13 @@ struct L2Stream {
   }
   void pace(int64_t done, int64_t total) {
     const int64_t target = total <= 0 ? lines : std::min(lines, (lines * done + total - 1) / total);
-    for (; issued < target; ++issued) {
-      _mm_prefetch(base + blocks[j] * block_bytes + off, _MM_HINT_T1);
-      off += 64;
-      if (off >= (j + 1 == nblocks ? last_bytes : block_bytes)) off = 0, ++j;
+    while (issued < target) {  // a run of lines within one block at a time: a plain loop of prefetches
+      const int64_t end = j + 1 == nblocks ? last_bytes : block_bytes;
+      const char* p = base + blocks[j] * block_bytes + off;
+      const int64_t n = std::min(target - issued, (end - off + 63) / 64);
+      for (int64_t i = 0; i < n; ++i) _mm_prefetch(p + 64 * i, _MM_HINT_T1);
+      issued += n, off += 64 * n;
+      if (off >= end) off = 0, ++j;
     }
   }
 };
@@ -291,6 +295,248 @@ void decode_kernel(const T* q, const Rows& rows_of, const int64_t* table, const 
   });
 }
 
+
+// The shapes with a fast path: query heads per kv head G = 1..8 (SmolLM2 3, Llama-3 4, Qwen2.5 0.5B 7 and
+// 1.5B 6) and head_dim 64 or 128. The kernels are templates on both, so per-head state stays in registers
+// and loops over dims unroll. Each call returns false (nothing run) for any other value.
+constexpr int kMaxGroup = 8;
+inline bool is_fast_shape(int64_t G, int64_t D) { return G >= 1 && G <= kMaxGroup && (D == 64 || D == 128); }
+
+template <typename F>
+void with_shape(int64_t G, int64_t D, const F& f) {
+  const auto with_g = [&](auto d) {
+    switch (G) {
+      case 1: f(d, std::integral_constant<int, 1>{}); break;
+      case 2: f(d, std::integral_constant<int, 2>{}); break;
+      case 3: f(d, std::integral_constant<int, 3>{}); break;
+      case 4: f(d, std::integral_constant<int, 4>{}); break;
+      case 5: f(d, std::integral_constant<int, 5>{}); break;
+      case 6: f(d, std::integral_constant<int, 6>{}); break;
+      case 7: f(d, std::integral_constant<int, 7>{}); break;
+      case 8: f(d, std::integral_constant<int, 8>{}); break;
+      default: TORCH_CHECK(false, "no fast path for group size ", G);
+    }
+  };
+  if (D == 64) with_g(std::integral_constant<int, 64>{});
+  else if (D == 128) with_g(std::integral_constant<int, 128>{});
+  else TORCH_CHECK(false, "no fast path for head_dim ", D);
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PDSERVE_HAVE_AVX2 1
+
+// Decode for CPUs with AVX2 + FMA and no AVX-512 (AMD EPYC Zen 2/3 among the hosts of this machine kind),
+// bf16 queries and a bf16 cache, the fast shapes above. No bf16 dot product here, so a bf16 row is read
+// 16 values (32 bytes) at a time and split into two float vectors without a shuffle: the low half of each
+// 32-bit lane shifted up (the even dims), the lane with its low half cleared (the odd dims). The query is
+// split the same way once per item, so q.k never reorders K, and p.v accumulates even and odd
+// dims apart, interleaved once per output.
+namespace avx2 {
+
+inline void split_bf16x16(const void* p, __m256& even, __m256& odd) {
+  const __m256i x = _mm256_loadu_si256(static_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// The horizontal sums of 8 vectors, lane r holding v[r]'s.
+inline __m256 hsum8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+inline float hsum(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+// 8 consecutive bf16 rows (k: the first, rows D apart) as float into kf [8][D], each 16-dim slice as its 8
+// even dims then its 8 odd ones: split once, then dotted with every query head of the group.
+template <int D>
+inline void split_rows8(const at::BFloat16* k, float* kf) {
+  for (int r = 0; r < 8; ++r)
+    for (int c = 0; c < D / 16; ++c) {
+      __m256 e, o;
+      split_bf16x16(k + r * D + 16 * c, e, o);
+      _mm256_store_ps(kf + r * D + 16 * c, e), _mm256_store_ps(kf + r * D + 16 * c + 8, o);
+    }
+}
+
+// q.k of the 8 rows in kf for one query head qs (split the same way): lane r holds row r's.
+template <int D>
+inline __m256 dots8(const float* qs, const float* kf) {
+  __m256 acc[8];
+  for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+  for (int i = 0; i < D / 8; ++i) {
+    const __m256 a = _mm256_load_ps(qs + 8 * i);
+    for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(a, _mm256_load_ps(kf + r * D + 8 * i), acc[r]);
+  }
+  return hsum8(acc);
+}
+
+template <int D>
+inline float dot1(const float* qs, const at::BFloat16* k) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int c = 0; c < D / 16; ++c) {
+    __m256 e, o;
+    split_bf16x16(k + 16 * c, e, o);
+    acc = _mm256_fmadd_ps(_mm256_load_ps(qs + 16 * c), e, acc);
+    acc = _mm256_fmadd_ps(_mm256_load_ps(qs + 16 * c + 8), o, acc);
+  }
+  return hsum(acc);
+}
+
+// 2^x for x <= ~0 as exp2_ps (AVX-512) does it, 2^n built in the exponent field; 0 below 2^-100.
+inline __m256 exp2_ps(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(kSoftmaxFlushLog2);
+  const __m256 keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(x, n);
+  __m256 p = _mm256_set1_ps(1.5403530e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504109e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022651e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(two_n)), keep);
+}
+
+// Softmax of L scores in place, 8 lanes at a time; s has room for L rounded up to 8 (the pad is written).
+inline void softmax(float* s, int64_t L) {
+  const int64_t L8 = (L + 7) & ~int64_t{7};
+  for (int64_t t = L; t < L8; ++t) s[t] = -FLT_MAX;
+  __m256 m0 = _mm256_set1_ps(-FLT_MAX), m1 = m0;
+  int64_t t = 0;
+  for (; t + 16 <= L8; t += 16)
+    m0 = _mm256_max_ps(m0, _mm256_loadu_ps(s + t)), m1 = _mm256_max_ps(m1, _mm256_loadu_ps(s + t + 8));
+  if (t < L8) m0 = _mm256_max_ps(m0, _mm256_loadu_ps(s + t));
+  m0 = _mm256_max_ps(m0, m1);
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(m0), _mm256_extractf128_ps(m0, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  const float m = _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+  const __m256 log2e = _mm256_set1_ps(1.4426950408889634f), shift = _mm256_set1_ps(m * 1.4426950408889634f);
+  __m256 sum = _mm256_setzero_ps();
+  for (t = 0; t < L8; t += 8) {
+    const __m256 e = exp2_ps(_mm256_fmsub_ps(_mm256_loadu_ps(s + t), log2e, shift));
+    _mm256_storeu_ps(s + t, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  const __m256 inv = _mm256_set1_ps(1.f / hsum(sum));
+  for (t = 0; t < L8; t += 8) _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), inv));
+}
+
+// p.v over one block's n rows (v: the first, rows D apart) for heads G0 .. G0 + GC - 1: accm[g] holds a
+// head's sums as 16-dim slices of 8 even then 8 odd dims; p + g * stride + t head g's weight of row t.
+// GC <= 4 heads at a time keep 2 GC accumulators and the row's two halves in the 16 vector registers.
+template <int D, int G0, int GC>
+inline void pv_heads(float (*accm)[D], const float* p, int64_t stride, int64_t n, const at::BFloat16* v) {
+  for (int c = 0; c < D / 16; ++c) {
+    __m256 ae[GC], ao[GC];
+    for (int g = 0; g < GC; ++g) ae[g] = _mm256_load_ps(accm[G0 + g] + 16 * c), ao[g] = _mm256_load_ps(accm[G0 + g] + 16 * c + 8);
+    for (int64_t t = 0; t < n; ++t) {
+      __m256 e, o;
+      split_bf16x16(v + t * D + 16 * c, e, o);
+      for (int g = 0; g < GC; ++g) {
+        const __m256 w = _mm256_broadcast_ss(p + (G0 + g) * stride + t);
+        ae[g] = _mm256_fmadd_ps(w, e, ae[g]);
+        ao[g] = _mm256_fmadd_ps(w, o, ao[g]);
+      }
+    }
+    for (int g = 0; g < GC; ++g) _mm256_store_ps(accm[G0 + g] + 16 * c, ae[g]), _mm256_store_ps(accm[G0 + g] + 16 * c + 8, ao[g]);
+  }
+}
+template <int D, int G, int G0 = 0>
+inline void pv_block(float (*accm)[D], const float* p, int64_t stride, int64_t n, const at::BFloat16* v) {
+  constexpr int kChunks = (G - G0 + 3) / 4, GC = (G - G0 + kChunks - 1) / kChunks;  // 7 heads: 4 + 3
+  pv_heads<D, G0, GC>(accm, p, stride, n, v);
+  if constexpr (G0 + GC < G) pv_block<D, G, G0 + GC>(accm, p, stride, n, v);
+}
+
+// 16 floats (8 even dims e, 8 odd dims o of one slice) as 16 bf16 in dim order, rounded to nearest even.
+inline void store_bf16x16(at::BFloat16* out, __m256 e, __m256 o) {
+  const __m256 lo = _mm256_unpacklo_ps(e, o), hi = _mm256_unpackhi_ps(e, o);
+  const auto round = [](__m256 x) {
+    const __m256i b = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    return _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+  };
+  const __m256i first = round(_mm256_permute2f128_ps(lo, hi, 0x20)), second = round(_mm256_permute2f128_ps(lo, hi, 0x31));
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(first, second), _MM_SHUFFLE(3, 1, 2, 0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), packed);
+}
+
+}  // namespace avx2
+
+// bf16 K/V, head_dim D, G query heads per kv head, on AVX2 + FMA: scores 8 rows at a time (one vector of
+// 8 sums per head), the softmax 8 lanes at a time, p.v by 16-dim slices of V (avx2::pv_block). Memory as
+// decode_avx512: V prefetched into L2 at the pace of the K pass, the thread's next item's K at the pace
+// of p.v (L2Stream).
+template <int D, int G>
+void decode_avx2(const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache, const int64_t* table,
+                 const int64_t* ctx, at::BFloat16* out, int64_t B, int64_t H, int64_t KVH, int64_t NB, int64_t BS,
+                 int64_t max_blocks, float scale) {
+  const int64_t row_bytes = D * 2, block_bytes = BS * row_bytes;
+  for_each_item_ranged(ctx, B, KVH, [&](int64_t idx, bool, bool last) {
+    thread_local std::vector<float> scores;
+    const int64_t b = idx / KVH, h = idx % KVH, L = ctx[b];
+    const int64_t* blocks = table + b * max_blocks;
+    const int64_t nblocks = (L + BS - 1) / BS;
+    const int64_t stride = nblocks * BS + 8;  // room for 8-row groups past L
+    scores.resize(G * stride);
+    const at::BFloat16* kh = k_cache + h * NB * BS * D;
+    const at::BFloat16* vh = v_cache + h * NB * BS * D;
+    L2Stream stream;
+    stream.start(vh, blocks, nblocks, block_bytes, (L - (nblocks - 1) * BS) * row_bytes);
+    alignas(32) float qs[G][D], kf[8 * D];  // the query heads times scale, and 8 K rows, split (split_rows8)
+    for (int g = 0; g < G; ++g) {
+      const at::BFloat16* qg = q + (b * H + h * G + g) * D;
+      const __m256 s = _mm256_set1_ps(scale);
+      for (int c = 0; c < D / 16; ++c) {
+        __m256 e, o;
+        avx2::split_bf16x16(qg + 16 * c, e, o);
+        _mm256_store_ps(qs[g] + 16 * c, _mm256_mul_ps(e, s)), _mm256_store_ps(qs[g] + 16 * c + 8, _mm256_mul_ps(o, s));
+      }
+    }
+    for (int64_t j = 0; j < nblocks; ++j) {
+      const at::BFloat16* kb = kh + blocks[j] * BS * D;
+      const int64_t t0 = j * BS, n = std::min(BS, L - t0);
+      int64_t t = 0;
+      for (; t + 8 <= BS && t < n; t += 8) {  // 8 rows at a time (rows past n are read, never used)
+        stream.pace(t0 + t + 8, L);
+        avx2::split_rows8<D>(kb + t * D, kf);
+        for (int g = 0; g < G; ++g) _mm256_storeu_ps(scores.data() + g * stride + t0 + t, avx2::dots8<D>(qs[g], kf));
+      }
+      for (; t < n; ++t)  // blocks of other than a multiple of 8 tokens
+        for (int g = 0; g < G; ++g) scores[g * stride + t0 + t] = avx2::dot1<D>(qs[g], kb + t * D);
+    }
+    for (int g = 0; g < G; ++g) avx2::softmax(scores.data() + g * stride, L);
+    stream.pace(1, 1);
+    stream = L2Stream();
+    if (!last) {  // the thread's next item's K
+      const int64_t b1 = (idx + 1) / KVH, h1 = (idx + 1) % KVH, L1 = ctx[b1], nb1 = (L1 + BS - 1) / BS;
+      stream.start(k_cache + h1 * NB * BS * D, table + b1 * max_blocks, nb1, block_bytes, (L1 - (nb1 - 1) * BS) * row_bytes);
+    }
+    alignas(32) float accm[G][D];
+    std::memset(accm, 0, sizeof(accm));
+    for (int64_t j = 0; j < nblocks; ++j) {
+      const int64_t t0 = j * BS, n = std::min(BS, L - t0);
+      stream.pace(t0 + n, L);
+      avx2::pv_block<D, G>(accm, scores.data() + t0, stride, n, vh + blocks[j] * BS * D);
+    }
+    stream.pace(1, 1);
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < D / 16; ++c)
+        avx2::store_bf16x16(out + (b * H + h * G + g) * D + 16 * c, _mm256_load_ps(accm[g] + 16 * c),
+                            _mm256_load_ps(accm[g] + 16 * c + 8));
+  });
+}
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -466,31 +712,6 @@ struct Fp8Rows {
   }
 };
 
-// The shapes with a fast path: query heads per kv head G = 1..8 (SmolLM2 3, Llama-3 4, Qwen2.5 0.5B 7 and
-// 1.5B 6) and head_dim 64 or 128. The kernels are templates on both, so per-head state stays in registers
-// and loops over dims unroll. Each call returns false (nothing run) for any other value.
-constexpr int kMaxGroup = 8;
-inline bool is_fast_shape(int64_t G, int64_t D) { return G >= 1 && G <= kMaxGroup && (D == 64 || D == 128); }
-
-template <typename F>
-void with_shape(int64_t G, int64_t D, const F& f) {
-  const auto with_g = [&](auto d) {
-    switch (G) {
-      case 1: f(d, std::integral_constant<int, 1>{}); break;
-      case 2: f(d, std::integral_constant<int, 2>{}); break;
-      case 3: f(d, std::integral_constant<int, 3>{}); break;
-      case 4: f(d, std::integral_constant<int, 4>{}); break;
-      case 5: f(d, std::integral_constant<int, 5>{}); break;
-      case 6: f(d, std::integral_constant<int, 6>{}); break;
-      case 7: f(d, std::integral_constant<int, 7>{}); break;
-      case 8: f(d, std::integral_constant<int, 8>{}); break;
-      default: TORCH_CHECK(false, "no fast path for group size ", G);
-    }
-  };
-  if (D == 64) with_g(std::integral_constant<int, 64>{});
-  else if (D == 128) with_g(std::integral_constant<int, 128>{});
-  else TORCH_CHECK(false, "no fast path for head_dim ", D);
-}
 
 // The VNNI path's queries (Int8Rows): each of the G heads rounded to int16 steps of max|q| / 32767;
 // unit[g] is the value of one step.
@@ -1740,6 +1961,16 @@ bool decode_fast_path(bool bf16, int64_t H, int64_t KVH, int64_t D) {
 #endif
 }
 
+// Whether paged_decode has its AVX2 + FMA path for these shapes (bf16 queries and a bf16 cache): the one it
+// takes where the CPU has no AVX-512 BF16.
+bool decode_avx2_path(int64_t H, int64_t KVH, int64_t D) {
+#ifdef PDSERVE_HAVE_AVX2
+  return KVH > 0 && H % KVH == 0 && is_fast_shape(H / KVH, D);
+#else
+  return false;
+#endif
+}
+
 bool prefill_fast_path(bool bf16, int64_t H, int64_t KVH, int64_t D, int64_t BS) {
   return decode_fast_path(bf16, H, KVH, D) && BS % 16 == 0;
 }
@@ -1752,10 +1983,12 @@ bool decode_int4_fast_path(bool bf16, int64_t H, int64_t KVH, int64_t D, int64_t
 
 // q [B, H, D]; k_cache, v_cache [KVH, NB, BS, D] (contiguous); table [B, max_blocks] int64;
 // context_lens [B] int64 (>= 1); k_scale, v_scale the rows' parameters with an int8 or fp8 cache (cache_scales).
-// Returns [B, H, D] in q's dtype.
+// isa: "auto" takes the fastest path this build has for the shapes (AVX-512 BF16, else AVX2, else the
+// portable loop); "avx2" / "portable" force one (tests, benchmarks). Returns [B, H, D] in q's dtype.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
                            torch::Tensor context_lens, double scale, std::optional<torch::Tensor> k_scale,
-                           std::optional<torch::Tensor> v_scale) {
+                           std::optional<torch::Tensor> v_scale, const std::string& isa) {
+  TORCH_CHECK(isa == "auto" || isa == "avx2" || isa == "portable", "isa must be auto, avx2 or portable, not ", isa);
   TORCH_CHECK(q.device().is_cpu(), "paged_decode runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
@@ -1770,7 +2003,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const bool bf16 = q.scalar_type() == torch::kBFloat16 &&
                     (k_cache.scalar_type() == torch::kBFloat16 || is_quantized(k_cache));
 #ifdef PDSERVE_HAVE_AVX512BF16
-  if (decode_fast_path(bf16, H, KVH, D)) {
+  if (isa == "auto" && decode_fast_path(bf16, H, KVH, D)) {
     with_rows(k_cache.scalar_type(), [&](auto rows) {
       using R = decltype(rows);
       using T = typename R::T;
@@ -1780,6 +2013,19 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                                   table.size(1), static_cast<float>(scale));
       with_shape(H / KVH, D, [&](auto d, auto g) { std::apply(decode_avx512<decltype(d)::value, decltype(g)::value, R>, args); });
     });
+    return out;
+  }
+#endif
+  const bool avx2 = q.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kBFloat16 &&
+                    decode_avx2_path(H, KVH, D);
+  TORCH_CHECK(isa != "avx2" || avx2, "no AVX2 decode path for this build, dtype or shape");
+#ifdef PDSERVE_HAVE_AVX2
+  if (avx2 && isa != "portable") {
+    auto args = std::make_tuple(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
+                                v_cache.data_ptr<at::BFloat16>(), table.data_ptr<int64_t>(),
+                                context_lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), B, H, KVH, NB, BS,
+                                table.size(1), static_cast<float>(scale));
+    with_shape(H / KVH, D, [&](auto d, auto g) { std::apply(decode_avx2<decltype(d)::value, decltype(g)::value>, args); });
     return out;
   }
 #endif
@@ -2059,7 +2305,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto no_scale = [](const char* name) { return py::arg(name) = py::none(); };
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", py::arg("q"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("table"), py::arg("context_lens"), py::arg("scale"), no_scale("k_scale"),
-        no_scale("v_scale"));
+        no_scale("v_scale"), py::arg("isa") = "auto");
   m.def("paged_prefill", &paged_prefill, "paged causal prefill attention (CPU, bf16 queries)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"), py::arg("q_start"), py::arg("q_len"),
         py::arg("ctx"), py::arg("scale"), py::arg("out"), no_scale("k_scale"), no_scale("v_scale"));
@@ -2069,6 +2315,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_int4", &paged_decode_int4, "paged decode attention over an int4 (KIVI) cache (CPU)");
   m.def("paged_prefill_int4", &paged_prefill_int4, "paged causal prefill attention over an int4 (KIVI) cache (CPU, bf16)");
   m.def("decode_fast_path", &decode_fast_path, "whether paged_decode has an AVX-512 BF16 path for (bf16, H, KVH, D)");
+  m.def("decode_avx2_path", &decode_avx2_path, "whether paged_decode has an AVX2 + FMA path for (H, KVH, D), bf16");
   m.def("decode_int4_fast_path", &decode_int4_fast_path,
         "whether paged_decode_int4 has an AVX-512 BF16 path for (bf16, H, KVH, D, BS)");
   m.def("prefill_fast_path", &prefill_fast_path, "whether paged_prefill has a fast path for (bf16, H, KVH, D, BS)");
