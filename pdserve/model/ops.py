@@ -5,7 +5,7 @@
   decode step at small batch is dominated by per-op dispatch (30 layers x ~40 torch ops); its calls
   (add + RMSNorm, RoPE on q and k in place, SiLU-and-multiply) replace ~16 ops per layer. They reproduce
   the torch sequence's bf16 roundings, so outputs agree bit for bit except for rare 1-ulp differences
-  where RMSNorm sums in another order or SiLU's exp (its own, AVX-512) differs from torch's in the last
+  where RMSNorm sums in another order or SiLU's exp (its own, AVX-512 or AVX2) differs from torch's in the last
   float32 bit on a bf16 rounding boundary (none in 3.3M random elements).
 
 Which is faster depends on the host and the row count, so the engine times both on the model's shapes
@@ -89,11 +89,11 @@ class FusedCpuOps:
         )
         self._has_silu_mul = bool(self._ext.has_silu_mul())
         if not self._has_silu_mul:
-            logger.warning("fused SiLU-and-multiply needs AVX-512 (this build has none): torch's two ops instead")
+            logger.warning("fused SiLU-and-multiply needs AVX-512 or AVX2 (this build has neither): torch's two ops instead")
 
     @property
     def silu_mul_path(self) -> str:
-        return "SiLU*up (AVX-512)" if self._has_silu_mul else "SiLU*up (torch)"
+        return "SiLU*up (vector exp)" if self._has_silu_mul else "SiLU*up (torch)"
 
     def add_rms_norm(
         self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -108,7 +108,7 @@ class FusedCpuOps:
         return self._ext.rope_qkv_(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """One pass over the gate/up output with an AVX-512 exp (bf16); torch's two ops otherwise."""
+        """One pass over the gate/up output with a vector exp (bf16, AVX-512 or AVX2); torch's two ops otherwise."""
         if self._has_silu_mul and gate_up.dtype == torch.bfloat16:
             return self._ext.silu_mul(gate_up)
         return TorchOps.silu_mul(gate_up)

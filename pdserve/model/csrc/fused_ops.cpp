@@ -1,6 +1,6 @@
 // Fused elementwise ops of the Llama layer for CPUs: each replaces 2-8 small torch ops whose dispatch
 // cost dominates a decode step at small batch (30 layers x ~40 ops). SiLU-and-multiply has its own
-// AVX-512 exp (a plain loop calling expf was 10-16x slower than torch's). Every op reproduces the rounding
+// vector exp (a plain loop calling expf was 10-16x slower than torch's). Every op reproduces the rounding
 // of the torch sequence it replaces (bf16 results of each intermediate torch op are rounded the same
 // way here), so the fused and the reference paths agree to the last bit except where a float32 sum is
 // reduced in a different order (RMSNorm's mean of squares: rare 1-ulp differences).
@@ -52,9 +52,16 @@ __attribute__((noinline)) void add_rms_norm_rows(T* __restrict__ x, const T* __r
   }
 }
 
+// Vector loops for bf16 (below): the scalar loops above do not vectorise, as c10's float -> bf16
+// conversion (NaN check, then round to nearest even) stays a scalar call. AVX-512 (16 lanes) or AVX2 + FMA
+// (8 lanes: CPUs without AVX-512, AMD EPYC Zen 3 among this machine kind's hosts).
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define PDSERVE_HAVE_VEC 1
 #if defined(__AVX512F__)
-// The same rows 16 lanes at a time for bf16 (below): the scalar loops above do not vectorise, as
-// c10's float -> bf16 conversion (NaN check, then round to nearest even) stays a scalar call.
+constexpr int kVecLanes = 16;
+#else
+constexpr int kVecLanes = 8;
+#endif
 void add_rms_norm_rows_bf16(at::BFloat16* x, const at::BFloat16* delta, const at::BFloat16* w, at::BFloat16* out,
                             int64_t begin, int64_t end, int64_t D, float eps);
 void rope_rows_bf16(at::BFloat16* qkv, const at::BFloat16* cos, const at::BFloat16* sin, int64_t begin, int64_t end,
@@ -64,7 +71,7 @@ void rope_rows_bf16(at::BFloat16* qkv, const at::BFloat16* cos, const at::BFloat
 template <typename T>
 void add_rms_norm_kernel(T* x, const T* delta, const T* w, T* out, int64_t rows, int64_t D, float eps) {
   at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
-#if defined(__AVX512F__)
+#ifdef PDSERVE_HAVE_VEC
     if constexpr (std::is_same_v<T, at::BFloat16>) {
       add_rms_norm_rows_bf16(x, delta, w, out, begin, end, D, eps);
       return;
@@ -102,9 +109,9 @@ template <typename T>
 void rope_kernel(T* qkv, const T* cos, const T* sin, int64_t rows, int64_t row_stride, int64_t heads,
                  int64_t D) {
   at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
-#if defined(__AVX512F__)
+#ifdef PDSERVE_HAVE_VEC
     if constexpr (std::is_same_v<T, at::BFloat16>) {
-      if (D % 32 == 0) {  // halves of whole 16-lane vectors
+      if (D % (2 * kVecLanes) == 0) {  // halves of whole vectors
         rope_rows_bf16(qkv, cos, sin, begin, end, row_stride, heads, D);
         return;
       }
@@ -114,76 +121,117 @@ void rope_kernel(T* qkv, const T* cos, const T* sin, int64_t rows, int64_t row_s
   });
 }
 
-#if defined(__AVX512F__)
+#ifdef PDSERVE_HAVE_VEC
 #include <immintrin.h>
 
+// Vec: the lanes of one vector register as float, with what the loops below need beyond GCC's vector
+// operators (+ - * / on __m512 / __m256; -ffp-contract=off keeps a * b + c two roundings, as torch's).
+#if defined(__AVX512F__)
+struct Vec {
+  using F = __m512;
+  static constexpr int kLanes = kVecLanes;
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static F load(const at::BFloat16* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  }
+  // Rounded to bf16 (nearest even), as 16-bit patterns in the low halves of 32-bit lanes; NaN becomes
+  // 0x7FC0 as c10's conversion makes it.
+  static __m512i round_bits(F v) {
+    __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    return _mm512_mask_mov_epi32(_mm512_srli_epi32(bits, 16), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  }
+  static F rb(F v) { return _mm512_castsi512_ps(_mm512_slli_epi32(round_bits(v), 16)); }  // r<bf16> per lane
+  static void store(at::BFloat16* p, F v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(round_bits(v)));
+  }
+  static float sum(F v) { return _mm512_reduce_add_ps(v); }
+  static F round_nearest(F x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static F scale2(F p, F n) { return _mm512_scalef_ps(p, n); }  // p 2^n; overflow inf, underflow 0
+};
+#else
+struct Vec {
+  using F = __m256;
+  static constexpr int kLanes = kVecLanes;
+  static F set1(float x) { return _mm256_set1_ps(x); }
+  static F load(const at::BFloat16* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+  }
+  static __m256i round_bits(F v) {
+    __m256i bits = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    bits = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+    return _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  }
+  static F rb(F v) { return _mm256_castsi256_ps(_mm256_slli_epi32(round_bits(v), 16)); }
+  static void store(at::BFloat16* p, F v) {
+    const __m256i b = round_bits(v);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+  }
+  static float sum(F v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+  }
+  static F round_nearest(F x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  // p 2^n through the exponent field, n clamped to [-127, 128]: 2^128 reads as inf, 2^-127 as 0 (flushed
+  // where vscalefps would give a denormal: exp below e^-87, where 1 + exp(x) is 1 either way).
+  static F scale2(F p, F n) {
+    n = _mm256_min_ps(_mm256_max_ps(n, _mm256_set1_ps(-127.f)), _mm256_set1_ps(128.f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return p * _mm256_castsi256_ps(e);
+  }
+};
+#endif
+using F = Vec::F;
+
 // exp(x) for float32 lanes, within ~1 ulp: x = n ln2 + r (Cody-Waite, |r| <= ln2/2), exp(r) by its
-// degree-7 Taylor polynomial, times 2^n in one instruction (vscalefps; overflow gives inf, underflow 0).
-inline __m512 exp_ps(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 split: exact product n*hi
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9841270e-4f);                          // 1/7!
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3888889e-3f));           // 1/6!
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3333333e-3f));           // 1/5!
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1666667e-2f));           // 1/4!
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666667e-1f));           // 1/3!
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-inline __m512 bf16_to_float(const at::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// Round to bf16 (nearest even), as 16-bit patterns in the low halves of 32-bit lanes; NaN becomes
-// 0x7FC0 as c10's conversion makes it.
-inline __m512i round_bf16_bits(__m512 v) {
-  __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  bits = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-  return _mm512_mask_mov_epi32(_mm512_srli_epi32(bits, 16), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                               _mm512_set1_epi32(0x7fc0));
-}
-inline __m512 bits_to_float(__m512i b16) { return _mm512_castsi512_ps(_mm512_slli_epi32(b16, 16)); }
-inline __m512 rb(__m512 v) { return bits_to_float(round_bf16_bits(v)); }  // r<bf16> for 16 lanes
-inline void store_bf16(at::BFloat16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(round_bf16_bits(v)));
+// degree-7 Taylor polynomial, times 2^n (overflow gives inf, underflow 0).
+inline F exp_ps(F x) {
+  const F n = Vec::round_nearest(x * Vec::set1(1.44269504088896341f));
+  F r = x - n * Vec::set1(0.693359375f);  // ln2 split: exact product n*hi
+  r = r - n * Vec::set1(-2.12194440e-4f);
+  F p = Vec::set1(1.9841270e-4f);                  // 1/7!
+  p = p * r + Vec::set1(1.3888889e-3f);            // 1/6!
+  p = p * r + Vec::set1(8.3333333e-3f);            // 1/5!
+  p = p * r + Vec::set1(4.1666667e-2f);            // 1/4!
+  p = p * r + Vec::set1(1.6666667e-1f);            // 1/3!
+  p = p * r + Vec::set1(0.5f);
+  p = p * r + Vec::set1(1.0f);
+  p = p * r + Vec::set1(1.0f);
+  return Vec::scale2(p, n);
 }
 
 // add_rms_norm_rows for bf16, the same roundings (the sum of squares in another order, as before).
 void add_rms_norm_rows_bf16(at::BFloat16* x, const at::BFloat16* delta, const at::BFloat16* w, at::BFloat16* out,
                             int64_t begin, int64_t end, int64_t D, float eps) {
-  const int64_t full = D & ~int64_t{15};
+  constexpr int N = Vec::kLanes;
+  const int64_t full = D & ~int64_t{N - 1};
   for (int64_t i = begin; i < end; ++i) {
     at::BFloat16* xi = x + i * D;
     if (delta != nullptr) {
       const at::BFloat16* di = delta + i * D;
-      for (int64_t d = 0; d < full; d += 16) store_bf16(xi + d, _mm512_add_ps(bf16_to_float(xi + d), bf16_to_float(di + d)));
+      for (int64_t d = 0; d < full; d += N) Vec::store(xi + d, Vec::load(xi + d) + Vec::load(di + d));
       for (int64_t d = full; d < D; ++d) xi[d] = round_to<at::BFloat16>(to_float(xi[d]) + to_float(di[d]));
     }
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t d = 0; d < full; d += 16) {
-      const __m512 v = bf16_to_float(xi + d);
-      acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+    F acc = Vec::set1(0.f);
+    for (int64_t d = 0; d < full; d += N) {
+      const F v = Vec::load(xi + d);
+      acc = acc + v * v;
     }
-    float ss = _mm512_reduce_add_ps(acc);
+    float ss = Vec::sum(acc);
     for (int64_t d = full; d < D; ++d) ss += to_float(xi[d]) * to_float(xi[d]);
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
-    const __m512 vinv = _mm512_set1_ps(inv);
+    const F vinv = Vec::set1(inv);
     at::BFloat16* oi = out + i * D;
-    for (int64_t d = 0; d < full; d += 16)
-      store_bf16(oi + d, _mm512_mul_ps(bf16_to_float(w + d), rb(_mm512_mul_ps(bf16_to_float(xi + d), vinv))));
+    for (int64_t d = 0; d < full; d += N) Vec::store(oi + d, Vec::load(w + d) * Vec::rb(Vec::load(xi + d) * vinv));
     for (int64_t d = full; d < D; ++d)
       oi[d] = round_to<at::BFloat16>(to_float(w[d]) * r<at::BFloat16>(to_float(xi[d]) * inv));
   }
 }
 
-// rope_rows for bf16 with D a multiple of 32, the same roundings: each product, then the sum.
+// rope_rows for bf16 with D a multiple of 2 kVecLanes, the same roundings: each product, then the sum.
 void rope_rows_bf16(at::BFloat16* qkv, const at::BFloat16* cos, const at::BFloat16* sin, int64_t begin, int64_t end,
                     int64_t row_stride, int64_t heads, int64_t D) {
   const int64_t half = D / 2;
@@ -192,13 +240,12 @@ void rope_rows_bf16(at::BFloat16* qkv, const at::BFloat16* cos, const at::BFloat
     const at::BFloat16* s = sin + i * D;
     for (int64_t h = 0; h < heads; ++h) {
       at::BFloat16* x = qkv + i * row_stride + h * D;
-      for (int64_t d = 0; d < half; d += 16) {
-        const __m512 x1 = bf16_to_float(x + d), x2 = bf16_to_float(x + d + half);
-        const __m512 lo = _mm512_sub_ps(rb(_mm512_mul_ps(x1, bf16_to_float(c + d))), rb(_mm512_mul_ps(x2, bf16_to_float(s + d))));
-        const __m512 hi = _mm512_add_ps(rb(_mm512_mul_ps(x2, bf16_to_float(c + d + half))),
-                                        rb(_mm512_mul_ps(x1, bf16_to_float(s + d + half))));
-        store_bf16(x + d, lo);
-        store_bf16(x + d + half, hi);
+      for (int64_t d = 0; d < half; d += Vec::kLanes) {
+        const F x1 = Vec::load(x + d), x2 = Vec::load(x + d + half);
+        const F lo = Vec::rb(x1 * Vec::load(c + d)) - Vec::rb(x2 * Vec::load(s + d));
+        const F hi = Vec::rb(x2 * Vec::load(c + d + half)) + Vec::rb(x1 * Vec::load(s + d + half));
+        Vec::store(x + d, lo);
+        Vec::store(x + d + half, hi);
       }
     }
   }
@@ -208,16 +255,16 @@ void rope_rows_bf16(at::BFloat16* qkv, const at::BFloat16* cos, const at::BFloat
 // `F.silu(gate) * up` rounds: silu in float32 as x / (1 + exp(-x)), rounded to bf16, then the product.
 __attribute__((noinline)) void silu_mul_rows(const at::BFloat16* __restrict__ gu, at::BFloat16* __restrict__ out,
                                              int64_t begin, int64_t end, int64_t I) {
-  const __m512 one = _mm512_set1_ps(1.f);
+  constexpr int N = Vec::kLanes;
+  const F one = Vec::set1(1.f), zero = Vec::set1(0.f);
   for (int64_t t = begin; t < end; ++t) {
     const at::BFloat16* g = gu + t * 2 * I;
     const at::BFloat16* u = g + I;
     at::BFloat16* o = out + t * I;
     int64_t i = 0;
-    for (; i + 16 <= I; i += 16) {
-      const __m512 x = bf16_to_float(g + i);
-      const __m512 s = rb(_mm512_div_ps(x, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x)))));
-      store_bf16(o + i, _mm512_mul_ps(s, bf16_to_float(u + i)));
+    for (; i + N <= I; i += N) {
+      const F x = Vec::load(g + i);
+      Vec::store(o + i, Vec::rb(x / (one + exp_ps(zero - x))) * Vec::load(u + i));
     }
     for (; i < I; ++i) {
       const float x = to_float(g[i]);
@@ -279,25 +326,25 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_qkv_(torch::Tensor 
 }
 
 bool has_silu_mul() {
-#if defined(__AVX512F__)
+#ifdef PDSERVE_HAVE_VEC
   return true;
 #else
   return false;
 #endif
 }
 
-// gate_up [T, 2I] bf16 -> F.silu(gate) * up [T, I] (builds with AVX-512 only: see has_silu_mul).
+// gate_up [T, 2I] bf16 -> F.silu(gate) * up [T, I] (builds with AVX-512 or AVX2 only: see has_silu_mul).
 torch::Tensor silu_mul(torch::Tensor gate_up) {
   check_rows(gate_up, "gate_up");
   TORCH_CHECK(gate_up.scalar_type() == torch::kBFloat16 && gate_up.size(1) % 2 == 0, "gate_up must be bf16 [T, 2I]");
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
   auto out = torch::empty({T, I}, gate_up.options());
-#if defined(__AVX512F__)
+#ifdef PDSERVE_HAVE_VEC
   const at::BFloat16* gu = gate_up.data_ptr<at::BFloat16>();
   at::BFloat16* o = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, T, kGrain, [&](int64_t begin, int64_t end) { silu_mul_rows(gu, o, begin, end, I); });
 #else
-  TORCH_CHECK(false, "built without AVX-512");
+  TORCH_CHECK(false, "built without AVX-512 or AVX2");
 #endif
   return out;
 }
@@ -306,6 +353,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "x += delta; return weight * rms_norm(x)");
   m.def("rope_", &rope_, "rotary embedding in place on the first heads of each row");
   m.def("rope_qkv_", &rope_qkv_, "rope_ on the q and k heads of qkv, then its q, k, v views");
-  m.def("has_silu_mul", &has_silu_mul, "whether silu_mul has its AVX-512 path in this build");
+  m.def("has_silu_mul", &has_silu_mul, "whether silu_mul has its vector path (AVX-512 or AVX2) in this build");
   m.def("silu_mul", &silu_mul, "F.silu(gate) * up from the fused gate/up projection (bf16)");
 }
