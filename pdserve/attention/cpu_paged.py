@@ -10,8 +10,8 @@ here). It is built on first use with the machine's compiler (about 20-40 s, then
 Both kernels have an AVX-512 BF16 fast path for bf16 with head_dim 64 or 128 and 1-8 query heads per kv
 head (SmolLM2: 64 / 3; Qwen2.5-0.5B: 64 / 7; Qwen2.5-1.5B: 128 / 6); `warmup` logs which path the model's
 shape takes, with a WARNING naming why when it is not the fast one. On CPUs without AVX-512 (AMD EPYC
-Zen 3 among this machine kind's hosts) decode of a bf16 cache takes an AVX2 + FMA kernel for the same
-shapes (bf16 rows split into even and odd dims as float, 8 rows' scores at a time): on such a host, 2
+Zen 3 among this machine kind's hosts) decode takes an AVX2 + FMA kernel for the same shapes and cache
+dtypes (rows split into even and odd dims as float, 8 rows' scores at a time): on such a host, 2
 threads, 128-token blocks from DRAM, 15-18 GB/s where the portable loop read 5-6
 (`benchmarks/attention_kernels.py --kv-dtypes bf16 --paths auto,avx2,portable,torch`). Prefill (blocks of a multiple of 16
 tokens) goes through the same file's flash-style kernel: every prompt chunk of the step in one call, its context read in place through the block table,
@@ -170,11 +170,11 @@ class CpuPagedAttention(TorchAttention):
         fast_prefill = bool(self._kernel.prefill_fast_path(fast, num_heads, kvh, head_dim, block_size))
         shape = f"head_dim {head_dim}, {num_heads // kvh} query heads per kv head"
         label = label or ""
-        avx2_decode = k_cache.dtype == torch.bfloat16 and bool(self._kernel.decode_avx2_path(num_heads, kvh, head_dim))
+        avx2_decode = fast and bool(self._kernel.decode_avx2_path(num_heads, kvh, head_dim))
         if fast_decode:
             decode = f"C++ AVX-512 BF16{label} ({shape})"
         elif avx2_decode:
-            decode = f"C++ AVX2 + FMA ({shape})"
+            decode = f"C++ AVX2 + FMA{label} ({shape})"
         else:
             decode = f"C++ portable loop{label}"
         prefill = f"C++ AVX-512 BF16 flash{label} ({shape})" if fast_prefill else "torch SDPA"

@@ -89,9 +89,15 @@ def random_tables(lengths: list[int], bs: int, nblocks: int, g: torch.Generator)
 def test_supported_kv_dtypes_and_paths(cpu_paged):
     assert all(cpu_paged.supports_kv_dtype(d) for d in ("bfloat16", "float32", "int8", "fp8_e4m3", "int4"))
     assert not cpu_paged.supports_kv_dtype("float16")  # (int4: decode in C++, tests/model/test_kv_int4.py)
-    if not cpu_paged._kernel.decode_fast_path(True, 9, 3, 64):
-        pytest.skip("no AVX-512 BF16 kernels in this build")
     g = torch.Generator().manual_seed(0)
+    if not cpu_paged._kernel.decode_fast_path(True, 9, 3, 64):
+        if not cpu_paged._kernel.decode_avx2_path(9, 3, 64):
+            pytest.skip("neither AVX-512 BF16 nor AVX2 kernels in this build")
+        for kv_dtype, label in (("int8", "int8 KV"), ("fp8_e4m3", "fp8 e4m3 KV")):
+            decode, prefill, why = cpu_paged.kernel_paths(quantized_cache(3, 4, 16, 64, kv_dtype, g), 9)
+            assert decode == f"C++ AVX2 + FMA, {label} (head_dim 64, 3 query heads per kv head)"
+            assert prefill == "torch SDPA" and why is not None and "no AVX-512 BF16" in why
+        return
     for kv_dtype, label in (("int8", "int8 KV"), ("fp8_e4m3", "fp8 e4m3 KV")):
         decode, prefill, why = cpu_paged.kernel_paths(quantized_cache(3, 4, 16, 64, kv_dtype, g), 9)
         assert why is None and f"AVX-512 BF16, {label} (head_dim 64" in decode and label in prefill
@@ -99,21 +105,33 @@ def test_supported_kv_dtypes_and_paths(cpu_paged):
         assert decode == f"C++ portable loop, {label}" and why is not None and "outside the fast kernels" in why
 
 
+@pytest.mark.parametrize("isa", ["auto", "avx2"])
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
-@pytest.mark.parametrize("block_size", [16, 32, 8])  # 8: the fast kernel's row-at-a-time tail path
+@pytest.mark.parametrize("block_size", [16, 32, 8, 12])  # 8, 12: the fast kernels' row-at-a-time tails
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_decode_reads_quantized_cache(cpu_paged, kv_dtype, block_size, shape):
+def test_decode_reads_quantized_cache(cpu_paged, kv_dtype, block_size, shape, isa):
     """Decodes of very different context lengths (partial blocks, one token, several hundred) through
     scattered blocks, all in one call, against float32 attention over the dequantized cache; the same
-    bits with one thread as with two."""
+    bits with one thread as with two. `auto`: the engine's path; `avx2`: the AVX2 kernel forced (what CPUs
+    without AVX-512 run), where this build has it."""
+    (H, KVH, D) = shape
+    if isa == "avx2" and not cpu_paged._kernel.decode_avx2_path(H, KVH, D):
+        pytest.skip("no AVX2 decode path in this build for this shape")
     g = torch.Generator().manual_seed(1)
-    (H, KVH, D), nblocks = shape, 320
+    nblocks = 320
     ctx = [1, 15, 16, 17, 33, 250, 700, 2, 64, 129]
     cache = quantized_cache(KVH, nblocks, block_size, D, kv_dtype, g)
     tables, table = random_tables(ctx, block_size, nblocks, g)
     q = torch.randn(len(ctx), H, D, generator=g).bfloat16()
     group = DecodeGroup(0, len(ctx), table, torch.tensor(ctx), None)  # type: ignore[arg-type]
-    out = cpu_paged.decode(q, cache, group, D**-0.5)
+
+    def decode() -> torch.Tensor:
+        if isa == "auto":
+            return cpu_paged.decode(q, cache, group, D**-0.5)
+        return cpu_paged._kernel.paged_decode(q, cache.k, cache.v, table, torch.tensor(ctx), D**-0.5, cache.k_scale,
+                                              cache.v_scale, isa=isa)
+
+    out = decode()
     k, v = dequantized(cache)
     for i, (c, t) in enumerate(zip(ctx, tables)):
         ref = naive(q[i : i + 1], context_rows(k, t, c), context_rows(v, t, c), D**-0.5)
@@ -121,7 +139,7 @@ def test_decode_reads_quantized_cache(cpu_paged, kv_dtype, block_size, shape):
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(cpu_paged.decode(q, cache, group, D**-0.5), out)
+        assert torch.equal(decode(), out)
     finally:
         torch.set_num_threads(threads)
 

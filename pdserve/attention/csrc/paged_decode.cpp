@@ -327,10 +327,11 @@ void with_shape(int64_t G, int64_t D, const F& f) {
 #define PDSERVE_HAVE_AVX2 1
 
 // Decode for CPUs with AVX2 + FMA and no AVX-512 (AMD EPYC Zen 2/3 among the hosts of this machine kind),
-// bf16 queries and a bf16 cache, the fast shapes above. No bf16 dot product here, so a bf16 row is read
-// 16 values (32 bytes) at a time and split into two float vectors without a shuffle: the low half of each
-// 32-bit lane shifted up (the even dims), the lane with its low half cleared (the odd dims). The query is
-// split the same way once per item, so q.k never reorders K, and p.v accumulates even and odd
+// bf16 queries and a bf16, int8 or fp8 e4m3 cache, the fast shapes above. No bf16 dot product here, so a
+// bf16 row is read 16 values (32 bytes) at a time and split into two float vectors without a shuffle: the
+// low half of each 32-bit lane shifted up (the even dims), the lane with its low half cleared (the odd
+// dims); a quantized row's 16 bytes are put in the same order by one byte shuffle, then widened. The
+// query is split the same way once per item, so q.k never reorders K, and p.v accumulates even and odd
 // dims apart, interleaved once per output.
 namespace avx2 {
 
@@ -353,14 +354,78 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 
-// 8 consecutive bf16 rows (k: the first, rows D apart) as float into kf [8][D], each 16-dim slice as its 8
+// How the kernel reads each cache dtype's rows: split16(p, e, o) gives 16 values of a row as float, the 8
+// even dims and the 8 odd ones. A quantized row (int8 or fp8 e4m3, kv/quant.py) reads as stored * s + m
+// with its parameters from the row's 4-byte slot, 8 rows at a time (params8) or one (params1); they are
+// applied once per row as in decode_avx512 (q.k times s plus m sum(q); p times s before p.v, and
+// sum_t p_t m_t added to every output dim).
+struct Bf16Rows2 {
+  using T = at::BFloat16;
+  static constexpr bool kQuantized = false, kZero = false;
+  static void split16(const T* p, __m256& e, __m256& o) { split_bf16x16(p, e, o); }
+  static void params8(const float*, __m256& s, __m256& m) { s = _mm256_set1_ps(1.f), m = _mm256_setzero_ps(); }
+  static void params1(const float*, float& s, float& m) { s = 1.f, m = 0.f; }
+};
+
+// 16 bytes, the even ones first, then the odd ones.
+inline __m128i deinterleave16(const void* p) {
+  return _mm_shuffle_epi8(_mm_loadu_si128(static_cast<const __m128i*>(p)),
+                          _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+}
+
+struct Int8Rows2 {
+  using T = int8_t;
+  static constexpr bool kQuantized = true, kZero = true;
+  static void split16(const T* p, __m256& e, __m256& o) {
+    const __m128i d = deinterleave16(p);
+    e = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(d));
+    o = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(d, 8)));
+  }
+  // The float16 pairs (scale, zero) of 8 rows (scale in each slot's low half): s, and m = zero + 128 s.
+  static void params8(const float* slot, __m256& s, __m256& m) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(slot));
+    const auto halves = [](__m256i x) {  // the low 16 bits of 8 lanes as float16 -> float
+      return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1)));
+    };
+    s = halves(_mm256_and_si256(w, _mm256_set1_epi32(0xFFFF)));
+    m = _mm256_fmadd_ps(s, _mm256_set1_ps(128.f), halves(_mm256_srli_epi32(w, 16)));
+  }
+  static void params1(const float* slot, float& s, float& m) {
+    float z;
+    int8_params(slot, s, z);
+    m = z + 128.f * s;
+  }
+};
+
+struct Fp8Rows2 {
+  using T = uint8_t;  // at::Float8_e4m3fn's bits
+  static constexpr bool kQuantized = true, kZero = false;
+  // 8 e4m3 codes (the low 8 bytes of b) as float: a normal code's exponent rebiased (bias 7 -> 127) in
+  // place with its 3 mantissa bits on top of float's 23, a subnormal (exponent 0) as m 2^-9, then the sign.
+  static __m256 f32x8(__m128i b) {
+    const __m256i w = _mm256_cvtepu8_epi32(b);
+    const __m256i mag = _mm256_and_si256(w, _mm256_set1_epi32(0x7F));
+    const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23)));
+    const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(1.f / 512.f));
+    const __m256 v = _mm256_blendv_ps(normal, sub, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag)));
+    return _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(w, _mm256_set1_epi32(0x80)), 24)));
+  }
+  static void split16(const T* p, __m256& e, __m256& o) {
+    const __m128i d = deinterleave16(p);
+    e = f32x8(d), o = f32x8(_mm_srli_si128(d, 8));
+  }
+  static void params8(const float* slot, __m256& s, __m256& m) { s = _mm256_loadu_ps(slot), m = _mm256_setzero_ps(); }
+  static void params1(const float* slot, float& s, float& m) { s = *slot, m = 0.f; }
+};
+
+// 8 consecutive rows (k: the first, rows D apart) as float into kf [8][D], each 16-dim slice as its 8
 // even dims then its 8 odd ones: split once, then dotted with every query head of the group.
-template <int D>
-inline void split_rows8(const at::BFloat16* k, float* kf) {
+template <int D, typename R>
+inline void split_rows8(const typename R::T* k, float* kf) {
   for (int r = 0; r < 8; ++r)
     for (int c = 0; c < D / 16; ++c) {
       __m256 e, o;
-      split_bf16x16(k + r * D + 16 * c, e, o);
+      R::split16(k + r * D + 16 * c, e, o);
       _mm256_store_ps(kf + r * D + 16 * c, e), _mm256_store_ps(kf + r * D + 16 * c + 8, o);
     }
 }
@@ -377,12 +442,12 @@ inline __m256 dots8(const float* qs, const float* kf) {
   return hsum8(acc);
 }
 
-template <int D>
-inline float dot1(const float* qs, const at::BFloat16* k) {
+template <int D, typename R>
+inline float dot1(const float* qs, const typename R::T* k) {
   __m256 acc = _mm256_setzero_ps();
   for (int c = 0; c < D / 16; ++c) {
     __m256 e, o;
-    split_bf16x16(k + 16 * c, e, o);
+    R::split16(k + 16 * c, e, o);
     acc = _mm256_fmadd_ps(_mm256_load_ps(qs + 16 * c), e, acc);
     acc = _mm256_fmadd_ps(_mm256_load_ps(qs + 16 * c + 8), o, acc);
   }
@@ -434,14 +499,14 @@ inline void softmax(float* s, int64_t L) {
 // p.v over one block's n rows (v: the first, rows D apart) for heads G0 .. G0 + GC - 1: accm[g] holds a
 // head's sums as 16-dim slices of 8 even then 8 odd dims; p + g * stride + t head g's weight of row t.
 // GC <= 4 heads at a time keep 2 GC accumulators and the row's two halves in the 16 vector registers.
-template <int D, int G0, int GC>
-inline void pv_heads(float (*accm)[D], const float* p, int64_t stride, int64_t n, const at::BFloat16* v) {
+template <int D, int G0, int GC, typename R>
+inline void pv_heads(float (*accm)[D], const float* p, int64_t stride, int64_t n, const typename R::T* v) {
   for (int c = 0; c < D / 16; ++c) {
     __m256 ae[GC], ao[GC];
     for (int g = 0; g < GC; ++g) ae[g] = _mm256_load_ps(accm[G0 + g] + 16 * c), ao[g] = _mm256_load_ps(accm[G0 + g] + 16 * c + 8);
     for (int64_t t = 0; t < n; ++t) {
       __m256 e, o;
-      split_bf16x16(v + t * D + 16 * c, e, o);
+      R::split16(v + t * D + 16 * c, e, o);
       for (int g = 0; g < GC; ++g) {
         const __m256 w = _mm256_broadcast_ss(p + (G0 + g) * stride + t);
         ae[g] = _mm256_fmadd_ps(w, e, ae[g]);
@@ -451,11 +516,11 @@ inline void pv_heads(float (*accm)[D], const float* p, int64_t stride, int64_t n
     for (int g = 0; g < GC; ++g) _mm256_store_ps(accm[G0 + g] + 16 * c, ae[g]), _mm256_store_ps(accm[G0 + g] + 16 * c + 8, ao[g]);
   }
 }
-template <int D, int G, int G0 = 0>
-inline void pv_block(float (*accm)[D], const float* p, int64_t stride, int64_t n, const at::BFloat16* v) {
+template <int D, int G, typename R, int G0 = 0>
+inline void pv_block(float (*accm)[D], const float* p, int64_t stride, int64_t n, const typename R::T* v) {
   constexpr int kChunks = (G - G0 + 3) / 4, GC = (G - G0 + kChunks - 1) / kChunks;  // 7 heads: 4 + 3
-  pv_heads<D, G0, GC>(accm, p, stride, n, v);
-  if constexpr (G0 + GC < G) pv_block<D, G, G0 + GC>(accm, p, stride, n, v);
+  pv_heads<D, G0, GC, R>(accm, p, stride, n, v);
+  if constexpr (G0 + GC < G) pv_block<D, G, R, G0 + GC>(accm, p, stride, n, v);
 }
 
 // 16 floats (8 even dims e, 8 odd dims o of one slice) as 16 bf16 in dim order, rounded to nearest even.
@@ -473,15 +538,16 @@ inline void store_bf16x16(at::BFloat16* out, __m256 e, __m256 o) {
 
 }  // namespace avx2
 
-// bf16 K/V, head_dim D, G query heads per kv head, on AVX2 + FMA: scores 8 rows at a time (one vector of
-// 8 sums per head), the softmax 8 lanes at a time, p.v by 16-dim slices of V (avx2::pv_block). Memory as
-// decode_avx512: V prefetched into L2 at the pace of the K pass, the thread's next item's K at the pace
-// of p.v (L2Stream).
-template <int D, int G>
-void decode_avx2(const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache, const int64_t* table,
-                 const int64_t* ctx, at::BFloat16* out, int64_t B, int64_t H, int64_t KVH, int64_t NB, int64_t BS,
-                 int64_t max_blocks, float scale) {
-  const int64_t row_bytes = D * 2, block_bytes = BS * row_bytes;
+// head_dim D, G query heads per kv head, on AVX2 + FMA, a bf16, int8 or fp8 e4m3 cache (R above): scores
+// 8 rows at a time (one vector of 8 sums per head), the softmax 8 lanes at a time, p.v by 16-dim slices of
+// V (avx2::pv_block). Memory as decode_avx512: V (and a quantized cache's row parameters) prefetched into
+// L2 at the pace of the K pass, the thread's next item's K at the pace of p.v (L2Stream).
+template <int D, int G, typename R>
+void decode_avx2(const at::BFloat16* q, const typename R::T* k_cache, const typename R::T* v_cache, const float* k_scale,
+                 const float* v_scale, const int64_t* table, const int64_t* ctx, at::BFloat16* out, int64_t B, int64_t H,
+                 int64_t KVH, int64_t NB, int64_t BS, int64_t max_blocks, float scale) {
+  using T = typename R::T;
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T)), block_bytes = BS * row_bytes, scale_bytes = BS * 4;
   for_each_item_ranged(ctx, B, KVH, [&](int64_t idx, bool, bool last) {
     thread_local std::vector<float> scores;
     const int64_t b = idx / KVH, h = idx % KVH, L = ctx[b];
@@ -489,51 +555,112 @@ void decode_avx2(const at::BFloat16* q, const at::BFloat16* k_cache, const at::B
     const int64_t nblocks = (L + BS - 1) / BS;
     const int64_t stride = nblocks * BS + 8;  // room for 8-row groups past L
     scores.resize(G * stride);
-    const at::BFloat16* kh = k_cache + h * NB * BS * D;
-    const at::BFloat16* vh = v_cache + h * NB * BS * D;
-    L2Stream stream;
-    stream.start(vh, blocks, nblocks, block_bytes, (L - (nblocks - 1) * BS) * row_bytes);
+    const T* kh = k_cache + h * NB * BS * D;
+    const T* vh = v_cache + h * NB * BS * D;
+    const float* ksh = R::kQuantized ? k_scale + h * NB * BS : nullptr;
+    const float* vsh = R::kQuantized ? v_scale + h * NB * BS : nullptr;
+    L2Stream stream, params;  // rows, and a quantized cache's row parameters
+    const auto start_streams = [&](const T* rows, const float* slots, const int64_t* blk, int64_t L1) {
+      const int64_t nb1 = (L1 + BS - 1) / BS, last_rows = L1 - (nb1 - 1) * BS;
+      stream.start(rows, blk, nb1, block_bytes, last_rows * row_bytes);
+      if (R::kQuantized) params.start(slots, blk, nb1, scale_bytes, last_rows * 4);
+    };
+    const auto pace = [&](int64_t done, int64_t total) {
+      stream.pace(done, total);
+      if (R::kQuantized) params.pace(done, total);
+    };
+    start_streams(vh, vsh, blocks, L);
     alignas(32) float qs[G][D], kf[8 * D];  // the query heads times scale, and 8 K rows, split (split_rows8)
+    float q_sum[G] = {};  // int8: each scaled head's sum of its dims (the share of the rows' offsets m in q.k)
     for (int g = 0; g < G; ++g) {
       const at::BFloat16* qg = q + (b * H + h * G + g) * D;
       const __m256 s = _mm256_set1_ps(scale);
+      __m256 sum = _mm256_setzero_ps();
       for (int c = 0; c < D / 16; ++c) {
         __m256 e, o;
         avx2::split_bf16x16(qg + 16 * c, e, o);
-        _mm256_store_ps(qs[g] + 16 * c, _mm256_mul_ps(e, s)), _mm256_store_ps(qs[g] + 16 * c + 8, _mm256_mul_ps(o, s));
+        e = _mm256_mul_ps(e, s), o = _mm256_mul_ps(o, s);
+        _mm256_store_ps(qs[g] + 16 * c, e), _mm256_store_ps(qs[g] + 16 * c + 8, o);
+        sum = _mm256_add_ps(sum, _mm256_add_ps(e, o));
       }
+      if constexpr (R::kZero) q_sum[g] = avx2::hsum(sum);
     }
     for (int64_t j = 0; j < nblocks; ++j) {
-      const at::BFloat16* kb = kh + blocks[j] * BS * D;
+      const T* kb = kh + blocks[j] * BS * D;
+      const float* ksb = R::kQuantized ? ksh + blocks[j] * BS : nullptr;
       const int64_t t0 = j * BS, n = std::min(BS, L - t0);
       int64_t t = 0;
       for (; t + 8 <= BS && t < n; t += 8) {  // 8 rows at a time (rows past n are read, never used)
-        stream.pace(t0 + t + 8, L);
-        avx2::split_rows8<D>(kb + t * D, kf);
-        for (int g = 0; g < G; ++g) _mm256_storeu_ps(scores.data() + g * stride + t0 + t, avx2::dots8<D>(qs[g], kf));
+        pace(t0 + t + 8, L);
+        avx2::split_rows8<D, R>(kb + t * D, kf);
+        __m256 rs, rm;
+        R::params8(R::kQuantized ? ksb + t : nullptr, rs, rm);
+        for (int g = 0; g < G; ++g) {
+          __m256 sc = avx2::dots8<D>(qs[g], kf);
+          if constexpr (R::kQuantized) sc = _mm256_mul_ps(sc, rs);
+          if constexpr (R::kZero) sc = _mm256_fmadd_ps(rm, _mm256_set1_ps(q_sum[g]), sc);
+          _mm256_storeu_ps(scores.data() + g * stride + t0 + t, sc);
+        }
       }
-      for (; t < n; ++t)  // blocks of other than a multiple of 8 tokens
-        for (int g = 0; g < G; ++g) scores[g * stride + t0 + t] = avx2::dot1<D>(qs[g], kb + t * D);
+      for (; t < n; ++t) {  // blocks of other than a multiple of 8 tokens
+        float rs, rm;
+        R::params1(R::kQuantized ? ksb + t : nullptr, rs, rm);
+        for (int g = 0; g < G; ++g) scores[g * stride + t0 + t] = avx2::dot1<D, R>(qs[g], kb + t * D) * rs + rm * q_sum[g];
+      }
     }
     for (int g = 0; g < G; ++g) avx2::softmax(scores.data() + g * stride, L);
-    stream.pace(1, 1);
-    stream = L2Stream();
+    float z_sum[G] = {};  // int8: sum_t p_t m_t per head, added to every output dim
+    if constexpr (R::kQuantized) {  // p * v_scale over the whole context: V rows then enter p.v unscaled
+      __m256 zacc[G];
+      for (int g = 0; g < G; ++g) zacc[g] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < nblocks; ++j) {
+        const float* vsb = vsh + blocks[j] * BS;
+        const int64_t t0 = j * BS, n = std::min(BS, L - t0);
+        int64_t t = 0;
+        for (; t + 8 <= n; t += 8) {
+          __m256 vs, vm;
+          R::params8(vsb + t, vs, vm);
+          for (int g = 0; g < G; ++g) {
+            float* p = scores.data() + g * stride + t0 + t;
+            const __m256 pv = _mm256_loadu_ps(p);
+            if constexpr (R::kZero) zacc[g] = _mm256_fmadd_ps(pv, vm, zacc[g]);
+            _mm256_storeu_ps(p, _mm256_mul_ps(pv, vs));
+          }
+        }
+        for (; t < n; ++t) {
+          float vs, vm;
+          R::params1(vsb + t, vs, vm);
+          for (int g = 0; g < G; ++g) {
+            float& p = scores[g * stride + t0 + t];
+            z_sum[g] += p * vm;
+            p *= vs;
+          }
+        }
+      }
+      if constexpr (R::kZero)
+        for (int g = 0; g < G; ++g) z_sum[g] += avx2::hsum(zacc[g]);
+    }
+    pace(1, 1);  // the rest of V
+    stream = params = L2Stream();
     if (!last) {  // the thread's next item's K
-      const int64_t b1 = (idx + 1) / KVH, h1 = (idx + 1) % KVH, L1 = ctx[b1], nb1 = (L1 + BS - 1) / BS;
-      stream.start(k_cache + h1 * NB * BS * D, table + b1 * max_blocks, nb1, block_bytes, (L1 - (nb1 - 1) * BS) * row_bytes);
+      const int64_t b1 = (idx + 1) / KVH, h1 = (idx + 1) % KVH;
+      start_streams(k_cache + h1 * NB * BS * D, R::kQuantized ? k_scale + h1 * NB * BS : nullptr,
+                    table + b1 * max_blocks, ctx[b1]);
     }
     alignas(32) float accm[G][D];
     std::memset(accm, 0, sizeof(accm));
     for (int64_t j = 0; j < nblocks; ++j) {
       const int64_t t0 = j * BS, n = std::min(BS, L - t0);
-      stream.pace(t0 + n, L);
-      avx2::pv_block<D, G>(accm, scores.data() + t0, stride, n, vh + blocks[j] * BS * D);
+      pace(t0 + n, L);
+      avx2::pv_block<D, G, R>(accm, scores.data() + t0, stride, n, vh + blocks[j] * BS * D);
     }
-    stream.pace(1, 1);
-    for (int g = 0; g < G; ++g)
+    pace(1, 1);
+    for (int g = 0; g < G; ++g) {
+      const __m256 z = _mm256_set1_ps(z_sum[g]);
       for (int c = 0; c < D / 16; ++c)
-        avx2::store_bf16x16(out + (b * H + h * G + g) * D + 16 * c, _mm256_load_ps(accm[g] + 16 * c),
-                            _mm256_load_ps(accm[g] + 16 * c + 8));
+        avx2::store_bf16x16(out + (b * H + h * G + g) * D + 16 * c, _mm256_add_ps(_mm256_load_ps(accm[g] + 16 * c), z),
+                            _mm256_add_ps(_mm256_load_ps(accm[g] + 16 * c + 8), z));
+    }
   });
 }
 #endif
@@ -1961,8 +2088,8 @@ bool decode_fast_path(bool bf16, int64_t H, int64_t KVH, int64_t D) {
 #endif
 }
 
-// Whether paged_decode has its AVX2 + FMA path for these shapes (bf16 queries and a bf16 cache): the one it
-// takes where the CPU has no AVX-512 BF16.
+// Whether paged_decode has its AVX2 + FMA path for these shapes (bf16 queries and a bf16, int8 or fp8 e4m3
+// cache): the one it takes where the CPU has no AVX-512 BF16.
 bool decode_avx2_path(int64_t H, int64_t KVH, int64_t D) {
 #ifdef PDSERVE_HAVE_AVX2
   return KVH > 0 && H % KVH == 0 && is_fast_shape(H / KVH, D);
@@ -2016,16 +2143,24 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     return out;
   }
 #endif
-  const bool avx2 = q.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kBFloat16 &&
-                    decode_avx2_path(H, KVH, D);
+  const bool avx2 = bf16 && decode_avx2_path(H, KVH, D);
   TORCH_CHECK(isa != "avx2" || avx2, "no AVX2 decode path for this build, dtype or shape");
 #ifdef PDSERVE_HAVE_AVX2
   if (avx2 && isa != "portable") {
-    auto args = std::make_tuple(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
-                                v_cache.data_ptr<at::BFloat16>(), table.data_ptr<int64_t>(),
-                                context_lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), B, H, KVH, NB, BS,
-                                table.size(1), static_cast<float>(scale));
-    with_shape(H / KVH, D, [&](auto d, auto g) { std::apply(decode_avx2<decltype(d)::value, decltype(g)::value>, args); });
+    const auto run = [&](auto rows) {
+      using R = decltype(rows);
+      using T = typename R::T;
+      auto args = std::make_tuple(q.data_ptr<at::BFloat16>(), static_cast<const T*>(k_cache.data_ptr()),
+                                  static_cast<const T*>(v_cache.data_ptr()), ks, vs, table.data_ptr<int64_t>(),
+                                  context_lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), B, H, KVH, NB, BS,
+                                  table.size(1), static_cast<float>(scale));
+      with_shape(H / KVH, D, [&](auto d, auto g) { std::apply(decode_avx2<decltype(d)::value, decltype(g)::value, R>, args); });
+    };
+    switch (k_cache.scalar_type()) {
+      case torch::kChar: run(avx2::Int8Rows2{}); break;
+      case torch::kFloat8_e4m3fn: run(avx2::Fp8Rows2{}); break;
+      default: run(avx2::Bf16Rows2{});
+    }
     return out;
   }
 #endif
