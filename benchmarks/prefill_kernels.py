@@ -38,6 +38,14 @@ def best(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
     return min(times)
 
 
+def ms(t: float) -> str:
+    return f"{t * 1e3:.2f}" if t == t else "-"
+
+
+def ratio(slow: float, fast: float) -> str:
+    return f"{slow / fast:.2f}x" if slow == slow and fast == fast else "-"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=7)
@@ -49,8 +57,10 @@ def main() -> None:
     print(f"host: {cpu_name()}, {torch.get_num_threads()} threads, {' '.join(f for f, on in cpu_flags().items() if on)}; DRAM read "
           f"{limits.memory_bandwidth / 1e9:.0f} GB/s, bf16 matmul {limits.matmul_flops['bfloat16'] / 1e12:.2f} TFLOP/s")
     rows = []
-    print(f"{'shape':>10} {'case':>9} | {'avx512 ms':>9} {'amx ms':>8} {'sdpa ms':>8} | {'amx GF/s':>8} | amx vs avx512 / sdpa")
+    print(f"{'shape':>10} {'case':>9} | {'avx512 ms':>9} {'amx ms':>8} {'sdpa ms':>8} | {'best GF/s':>9} | "
+          "amx vs avx512 / best vs sdpa   (-: no such kernel on this CPU)")
     for name, (H, KVH, D) in SHAPES.items():
+        avx = bool(k.prefill_fast_path(True, H, KVH, D, args.block_size))
         amx = bool(k.prefill_amx_fast_path(True, H, KVH, D, args.block_size))
         for case, seqs in CASES.items():
             bs = args.block_size
@@ -69,7 +79,7 @@ def main() -> None:
             lens, ctx = torch.tensor([n for _, n in seqs]), torch.tensor([c + n for c, n in seqs])
             flops = sum(4 * H * D * n * (c + (n + 1) / 2) for c, n in seqs)
             call = (q, kc, vc, table, starts, lens, ctx, D**-0.5, out)
-            t_avx = best(lambda: k.paged_prefill(*call), args.repeats)
+            t_avx = best(lambda: k.paged_prefill(*call), args.repeats) if avx else float("nan")
             t_amx = best(lambda: k.paged_prefill_amx(*call), args.repeats) if amx else float("nan")
             c0, n0 = seqs[0]
             qq = torch.randn(1, H, n0, D).bfloat16()
@@ -77,9 +87,11 @@ def main() -> None:
             mask = None if c0 == 0 else torch.ones(n0, c0 + n0, dtype=torch.bool).tril(c0)
             t_sdpa = len(seqs) * best(
                 lambda: F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, is_causal=mask is None), args.repeats)
-            rows.append({"shape": name, "case": case, "avx512_s": t_avx, "amx_s": t_amx, "sdpa_s": t_sdpa, "flops": flops})
-            print(f"{name:>10} {case:>9} | {t_avx * 1e3:9.2f} {t_amx * 1e3:8.2f} {t_sdpa * 1e3:8.2f} | "
-                  f"{flops / t_amx / 1e9:8.0f} | {t_avx / t_amx:.2f}x / {t_sdpa / t_amx:.2f}x")
+            rows.append({"shape": name, "case": case, "avx512_s": t_avx if avx else None, "amx_s": t_amx if amx else None,
+                         "sdpa_s": t_sdpa, "flops": flops})
+            t_best = min(t_sdpa, *(t for t in (t_avx, t_amx) if t == t))
+            print(f"{name:>10} {case:>9} | {ms(t_avx):>9} {ms(t_amx):>8} {ms(t_sdpa):>8} | {flops / t_best / 1e9:9.0f} | "
+                  f"{ratio(t_avx, t_amx)} / {ratio(t_sdpa, t_best)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"host": {"cpu": cpu_name(), "flags": [f for f, on in cpu_flags().items() if on], "threads": torch.get_num_threads(),

@@ -100,7 +100,10 @@ DECODE_BATCHES: tuple[int, ...] = (1, 8, 32)
 DECODE_CONTEXT = 512
 PREFILL_LENS: tuple[int, ...] = (16, 64, 256, 1024, 2048)
 DECODE_KERNELS = ("cpp", "torch")  # the C++ paged decode; the reference's gather + bmm
-PREFILL_KERNELS = ("cpp", "amx", "sdpa")  # the C++ flash prefill on AVX-512 / on AMX tiles; torch SDPA
+# the C++ flash prefill on AVX-512 / on AMX tiles; torch SDPA in the model's dtype / on inputs widened to
+# float32 (a 16-bit model on a CPU without AVX-512 BF16: 1.5x torch's bf16 SDPA at 256 tokens on an EPYC)
+PREFILL_KERNELS = ("cpp", "amx", "sdpa", "sdpa-f32")
+_SDPA = {"sdpa": None, "sdpa-f32": torch.float32}  # the reference's prefill and its compute dtype
 
 
 @dataclass(slots=True)
@@ -251,7 +254,10 @@ class CpuPagedAttention(TorchAttention):
             # AVX-512 kernel, as the plan's second choice would be.
             if kernel == "amx" and not cache.is_int4 and self._kernel.paged_prefill_amx(q, cache.k, cache.v, *args):
                 return
-            if kernel != "sdpa" and (
+            if kernel in _SDPA:
+                super().prefill(q, k, v, cache, meta, scale, out, _SDPA[kernel])
+                return
+            if (
                 self._kernel.paged_prefill_int4(
                     q, cache.k, cache.v, cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero,
                     cache.residual_k, cache.residual_v, cache.residual_slot, *args,
@@ -389,8 +395,10 @@ def measure_attention(
                 torch.tensor([0]), torch.tensor([n]),
             )
             out = torch.empty_like(q)
-            if kernel == "sdpa":
-                return [("prefill", lambda: TorchAttention.prefill(attn, q, k, v, cache, meta, scale, out))]
+            if kernel in _SDPA:
+                if kernel == "sdpa-f32" and dtype == torch.float32:
+                    return []  # the same as "sdpa": timed as declined, never chosen
+                return [("prefill", lambda: TorchAttention.prefill(attn, q, k, v, cache, meta, scale, out, _SDPA[kernel]))]
             fast_dtypes = dtype == torch.bfloat16 and cache.k.dtype in _FAST_CACHE_DTYPES
             if kernel == "amx":
                 if not attn._kernel.prefill_amx_fast_path(fast_dtypes and cache.k.dtype == torch.bfloat16, num_heads, kvh, d, bs):

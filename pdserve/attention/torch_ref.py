@@ -54,8 +54,13 @@ class TorchAttention:
         """k, v [T, KVH, D] into the caches [KVH, blocks, block_size, D] at slots (block * block_size + offset)."""
         write(cache, k, v, slots)
 
-    def prefill(self, q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
-        """Attention of every prefill chunk, into its rows of `out` (K/V already in the cache)."""
+    def prefill(  # type: ignore[no-untyped-def]
+        self, q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float, out: torch.Tensor,
+        compute_dtype: torch.dtype | None = None,
+    ) -> None:
+        """Attention of every prefill chunk, into its rows of `out` (K/V already in the cache).
+        `compute_dtype`: run SDPA on q, K, V widened to it (float32 for 16-bit models where torch's 16-bit
+        SDPA is the slower one: CPUs without AVX-512 BF16), the result rounded back into `out`."""
         if cache.is_int4:
             self._prefill_int4(q, cache, meta, scale, out)
             return
@@ -70,15 +75,15 @@ class TorchAttention:
                 kc, vc = cache.gather_blocks(blocks, q.dtype)
                 kp = kc.reshape(1, kvh, -1, d)[:, :, : p.context_len]
                 vp = vc.reshape(1, kvh, -1, d)[:, :, : p.context_len]
-                o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
+                o = _sdpa(qp, kp, vp, compute_dtype, is_causal=True, scale=scale)
             elif p.context_blocks is None:
                 kp = k[s:e].transpose(0, 1).unsqueeze(0)
                 vp = v[s:e].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
+                o = _sdpa(qp, kp, vp, compute_dtype, is_causal=True, scale=scale)
             else:
                 kc, vc = cache.gather_blocks(p.context_blocks, q.dtype)
                 kp, vp = kc.view(1, kvh, -1, d), vc.view(1, kvh, -1, d)
-                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=True)
+                o = _sdpa(qp, kp, vp, compute_dtype, attn_mask=p.mask, scale=scale)
             out[s:e] = o.squeeze(0).transpose(0, 1)
 
     def _prefill_int4(self, q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
@@ -112,6 +117,13 @@ class TorchAttention:
         kd = kb.view(kvh, g.num_seqs, -1, d)  # [KVH, B, S, D]
         vd = vb.view(kvh, g.num_seqs, -1, d)
         return _decode_attention(q, kd, vd, g.mask, scale)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, compute_dtype: torch.dtype | None, **kw) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """SDPA with GQA, on the inputs widened to `compute_dtype` when one is given."""
+    if compute_dtype is not None and q.dtype != compute_dtype:
+        q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
 
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

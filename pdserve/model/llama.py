@@ -218,12 +218,14 @@ class LlamaModel(nn.Module):
             self.ops = choose_ops(ops, shapes, batch_invariant=batch_invariant, cache_dir=cache_dir)
         return True
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits for the given rows of hidden states (only the rows that sample)."""
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """Logits for the given rows of hidden states (only the rows that sample): float32, or in the
+        model's dtype with `upcast=False` (for the sampler, which widens them only where it computes on
+        them: a fresh [rows, vocab] float32 tensor is page-faulted in at every step, 39 ms for 162 rows of
+        Qwen2.5's 151,936 on an EPYC host, 3x the greedy argmax itself)."""
         h = rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
-        if self.packed_lm_head is not None:
-            return self.packed_lm_head(h).float()
-        return F.linear(h, self.lm_head).float()
+        logits = self.packed_lm_head(h) if self.packed_lm_head is not None else F.linear(h, self.lm_head)
+        return logits.float() if upcast else logits
 
     @torch.no_grad()
     def load_hf_weights(self, weights: dict[str, torch.Tensor], consume: bool = False) -> None:

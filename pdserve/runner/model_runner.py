@@ -85,7 +85,7 @@ class ModelRunner:
         if any(r.num_spec_tokens for r in sampling):
             return self._verify(sampling, hidden, flat_pos, gens, t0)
         rows = torch.tensor([flat_pos[id(r)] for r in sampling], device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        logits = self.model.compute_logits(hidden.index_select(0, rows), upcast=False)
         params = [r.params for r in sampling]
         md = SamplingMetadata.from_params(params, gens, self.vocab_size, self.device)
         so = self.sampler(logits, md)

@@ -88,7 +88,11 @@ class Sampler:
         self.generator = generator
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        """Samples one token per row of `logits` [N, V]; never modifies `logits`."""
+        """Samples one token per row of `logits` [N, V] (float32 or the model's 16-bit dtype); never
+        modifies `logits`. An all-greedy batch without logprobs takes the argmax of the rows as given:
+        widening 16-bit values to float32 is exact, so the argmax is the same, without the copy."""
+        if md.all_greedy and md.max_num_logprobs is None:
+            return SamplerOutput(token_ids=greedy(logits), logprobs=None, logprob_token_ids=None)
         logits = logits.to(torch.float32)
         greedy_ids = greedy(logits)
         if md.all_greedy:

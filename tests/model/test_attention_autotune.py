@@ -117,13 +117,14 @@ class Forbid:
 @pytest.mark.parametrize("decode,prefill", list(itertools.product(cp.DECODE_KERNELS, cp.PREFILL_KERNELS)))
 def test_every_choice_matches_the_reference(kernel_ok, kv_dtype, decode, prefill):
     attn = CpuPagedAttention(AttentionPlan(decode=decode, prefill=(prefill,)))
-    if not attn._kernel.prefill_fast_path(True, 9, 3, 64, 16):
-        pytest.skip("no AVX-512 BF16 kernels in this build")
+    if prefill in ("cpp", "amx") and not attn._kernel.prefill_fast_path(True, 9, 3, 64, 16):
+        pytest.skip("no AVX-512 BF16 prefill kernel in this build")
     amx = attn._kernel.prefill_amx_fast_path(True, 9, 3, 64, 16)
     if prefill == "amx" and kv_dtype == "bfloat16" and not amx:
         pytest.skip("no AMX on this CPU")
     # The plan's prefill kernel is the one that runs; AMX declines an int8 cache, which the AVX-512 one takes.
-    skip_prefill = {"sdpa": {"paged_prefill", "paged_prefill_amx"}, "cpp": {"paged_prefill_amx"},
+    sdpa = {"paged_prefill", "paged_prefill_amx"}
+    skip_prefill = {"sdpa": sdpa, "sdpa-f32": sdpa, "cpp": {"paged_prefill_amx"},
                     "amx": {"paged_prefill"} if kv_dtype == "bfloat16" else set()}[prefill]
     forbidden = ({"paged_decode"} if decode == "torch" else set()) | skip_prefill
     attn._kernel = Forbid(attn._kernel, forbidden)
@@ -148,3 +149,24 @@ def test_real_measurement_gives_a_complete_table(kernel_ok):
                     assert all(v == float("inf") for v in row)
                 else:
                     assert all(0 < v < float("inf") for v in row), (name, row)
+
+
+def test_sdpa_f32_prefill_widens_the_inputs(monkeypatch):
+    """The "sdpa-f32" choice runs the reference's prefill on float32 q, K, V (the result rounded into the
+    bf16 output), "sdpa" on them as they are; both close to a float32 reference."""
+    seen: list[torch.dtype] = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):  # type: ignore[no-untyped-def]
+        seen.append(q.dtype)
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    for kernel in ("sdpa", "sdpa-f32"):
+        seen.clear()
+        out, refs = mixed_step(CpuPagedAttention(AttentionPlan(decode="torch", prefill=(kernel,))), "bfloat16",
+                               (9, 3, 64), 16, torch.bfloat16)
+        assert out.dtype == torch.bfloat16 and seen
+        assert set(seen) == ({torch.float32} if kernel == "sdpa-f32" else {torch.bfloat16}), (kernel, seen)
+        for s, n, ref in refs:
+            torch.testing.assert_close(out[s : s + n].float(), ref, atol=2e-2, rtol=2e-2)

@@ -29,7 +29,7 @@ def rand(*shape: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("n,k", [(96, 64), (70, 576), (5, 1536), (960, 578)])
-@pytest.mark.parametrize("m", [1, 3, 12, 13, 16, 40, 130])
+@pytest.mark.parametrize("m", [1, 3, 12, 13, 16, 40, 130, 300])
 def test_matches_float32_reference(m, n, k):
     x, w = rand(m, k, seed=1), rand(n, k, seed=2)
     got = Bf16DotLinear(w)(x)
@@ -40,11 +40,14 @@ def test_matches_float32_reference(m, n, k):
 
 
 def test_rows_do_not_depend_on_the_batch():
-    """The same row alone, among 12 (one tile) and among 100 (several tiles, sliced k) gives the same bits."""
+    """The same row alone, among 12 (one tile), among 100 (several tiles, sliced k) and among 400 (several
+    row blocks) gives the same bits."""
     w = rand(300, 1536, seed=3)
     lin = Bf16DotLinear(w)
-    batch = rand(100, 1536, seed=4)
+    big = rand(400, 1536, seed=4)
+    batch = big[:100]
     full = lin(batch)
+    assert torch.equal(lin(big)[:100], full)
     for i in (0, 7, 11, 57, 99):
         assert torch.equal(lin(batch[i : i + 1]), full[i : i + 1])
         lo = (i // 12) * 12

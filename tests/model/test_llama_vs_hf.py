@@ -61,7 +61,7 @@ def _last_logits(eng, prompt):
         captured = {}
         orig = eng.model.compute_logits
 
-        def spy(h):
+        def spy(h, upcast=True):  # the runner asks for the model's dtype; float32 here either way
             captured["logits"] = orig(h)
             return captured["logits"]
 

@@ -225,3 +225,20 @@ def test_greedy_is_argmax_on_ties_and_nans():
             x[1] = float("-inf")
         assert torch.equal(greedy(x), x.argmax(dim=-1)), trial
         assert torch.equal(greedy(x.bfloat16()), x.bfloat16().argmax(dim=-1)), trial
+
+
+def test_all_greedy_bfloat16_batch_matches_float32():
+    """An all-greedy batch without logprobs takes the argmax of bf16 logits as they are (the runner no
+    longer widens them): the same ids as widening first, on ties, NaNs and -inf rows too."""
+    g = torch.Generator().manual_seed(1)
+    greedy_params = [SamplingParams(temperature=0.0)] * 5
+    for trial in range(30):
+        x = torch.randint(0, 4, (5, 300), generator=g).to(torch.bfloat16)
+        if trial % 3 == 1:
+            x[:, 5::13] = float("nan")
+        if trial % 3 == 2:
+            x[2] = float("-inf")
+        out = sample(x, greedy_params)
+        assert out.logprobs is None
+        assert torch.equal(out.token_ids, sample(x.float(), greedy_params).token_ids), trial
+        assert torch.equal(out.token_ids, x.float().argmax(dim=-1)), trial

@@ -15,11 +15,12 @@
 // matmul and torch's own bf16 GEMM runs at a few GFLOP/s, the same panels are read by an fp32 FMA tile:
 // a 32-byte load of a k pair of 8 columns is two fp32 vectors after one shift (even k: the low halves moved
 // up) and one mask (odd k: the high halves as they are), both exact, against x converted to fp32 once per
-// call. Blocks of 1-3 rows (decode) stream the panel as bf16 in 3 x 32 tiles; blocks of more rows widen
-// the panel to fp32 once (K x 128 bytes, in L2) and run 6 x 16 tiles on it, two weight loads and six
-// broadcasts per 12 FMAs. Both do the same fp32 FMAs per output element in k order, so a row's result
-// does not depend on the path (batch-invariant); the bf16 products are exact in fp32, so only that order
-// and the final bf16 rounding differ from a float32 reference.
+// call. Blocks of fewer than 16 rows (decode) stream the panel as bf16 in 3 x 32 tiles; larger blocks widen
+// it to fp32 128 k at a time (a 16 KB chunk, each half in L1 while every row tile of the block passes
+// over it) and run 6 x 16 tiles on the chunk, two weight loads and six broadcasts per 12 FMAs, the
+// tiles' fp32 sums carried from chunk to chunk. Both do the same fp32 FMAs per output element in k order,
+// so a row's result does not depend on the path (batch-invariant); the bf16 products are exact in fp32,
+// so only that order and the final bf16 rounding differ from a float32 reference.
 #include "linear_common.h"
 
 #include <ATen/Parallel.h>
@@ -74,7 +75,11 @@ namespace {
 constexpr int64_t kMaxRowsAvx2 = 3;    // streaming tile: 12 accumulators + 2 weight vectors + 2 broadcasts
 constexpr int64_t kMaxRowsWide = 6;    // widened tile: 6 rows x 16 columns = 12 accumulators (as BLIS's 6x16)
 constexpr int64_t kWidenFrom = 16;     // a block of at least this many rows widens its panel first
-constexpr int64_t kL2Budget = 384 << 10;  // bytes of L2 for a block's x and its widened panel
+constexpr int64_t kChunk = 128;        // k per widened chunk of a panel (a half: kChunk x 64 bytes, in L1)
+// Bytes of a widened block's fp32 x (rows x K x 4) and chunk: past a 512 KB L2, measured faster on a Zen 3
+// host than blocks that fit it (x streams in order from L3 while the chunk sits in L1, and each panel
+// comes from DRAM once per block, so fewer blocks read the weights fewer times).
+constexpr int64_t kBlockBudget = 1024 << 10;
 
 // 8 fp32 -> 8 bf16 bit patterns, rounded to nearest even.
 inline __m128i to_bf16x8(__m256 v) {
@@ -131,30 +136,38 @@ void tile_stream(const float* x, int64_t xs, const __m256i* w, int64_t KP, at::B
   for (int r = 0; r < R; ++r) store_row<4>(acc[r], o + r * os, cols);
 }
 
-// A panel's k pairs widened once to fp32 rows of 32 columns, wf [K][32], for the tiles of a block.
-void widen_panel(const __m256i* w, int64_t KP, float* wf) {
-  for (int64_t kp = 0; kp < KP; ++kp) {
+// k pairs [kp0, kp1) of a panel widened to fp32 rows of 32 columns, wf [2 (kp1 - kp0)][32], for the tiles
+// of a block.
+void widen_panel(const __m256i* w, int64_t kp0, int64_t kp1, float* wf) {
+  for (int64_t kp = kp0; kp < kp1; ++kp) {
+    float* row = wf + 2 * (kp - kp0) * kPanel;
     PDSERVE_UNROLL
     for (int c = 0; c < 4; ++c) {
       __m256 w0, w1;
       widen_pair(_mm256_load_si256(w + 4 * kp + c), w0, w1);
-      _mm256_store_ps(wf + (2 * kp) * kPanel + 8 * c, w0);
-      _mm256_store_ps(wf + (2 * kp + 1) * kPanel + 8 * c, w1);
+      _mm256_store_ps(row + 8 * c, w0);
+      _mm256_store_ps(row + kPanel + 8 * c, w1);
     }
   }
 }
 
-// Many rows (prompts, large batches): rows [0, R) against 16 columns (`half` 0 or 1) of a widened panel,
-// to o's columns [16 half, 16 half + 16) up to `cols`. Per k: two weight loads, R broadcasts, 2R FMAs.
-// The same fp32 FMAs in the same k order as tile_stream: a row's result does not depend on the path.
+// Many rows (prompts, large batches): rows [0, R) against 16 columns (`half` 0 or 1) of a widened chunk of
+// a panel, k in [k0, k0 + kc): wf [kc][32]. The tile's fp32 sums carry over chunks in c [R][32] (this
+// half's 16 columns); the last chunk writes o's columns [16 half, 16 half + 16) up to `cols` as bf16.
+// Per k: two weight loads, R broadcasts, 2R FMAs; the same fp32 FMAs in the same k order as tile_stream.
 template <int R>
-void tile_wide(const float* x, int64_t xs, const float* wf, int64_t K, int half, at::BFloat16* o, int64_t os,
-               int64_t cols) {
+void tile_wide(const float* x, int64_t xs, const float* wf, int64_t k0, int64_t kc, bool first, bool last, int half,
+               float* c, at::BFloat16* o, int64_t os, int64_t cols) {
   __m256 acc[R][2];
+  float* cp = c + 16 * half;
   PDSERVE_UNROLL
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = first ? _mm256_setzero_ps() : _mm256_load_ps(cp + r * kPanel);
+    acc[r][1] = first ? _mm256_setzero_ps() : _mm256_load_ps(cp + r * kPanel + 8);
+  }
   const float* w = wf + 16 * half;
-  for (int64_t k = 0; k < K; ++k) {
+  x += k0;
+  for (int64_t k = 0; k < kc; ++k) {
     const __m256 w0 = _mm256_load_ps(w + k * kPanel), w1 = _mm256_load_ps(w + k * kPanel + 8);
     PDSERVE_UNROLL
     for (int r = 0; r < R; ++r) {
@@ -164,7 +177,14 @@ void tile_wide(const float* x, int64_t xs, const float* wf, int64_t K, int half,
     }
   }
   PDSERVE_UNROLL
-  for (int r = 0; r < R; ++r) store_row<2>(acc[r], o + r * os + 16 * half, cols - 16 * half);
+  for (int r = 0; r < R; ++r) {
+    if (last) {
+      store_row<2>(acc[r], o + r * os + 16 * half, cols - 16 * half);
+    } else {
+      _mm256_store_ps(cp + r * kPanel, acc[r][0]);
+      _mm256_store_ps(cp + r * kPanel + 8, acc[r][1]);
+    }
+  }
 }
 
 }  // namespace
@@ -186,9 +206,10 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
   at::BFloat16* o = out.data_ptr<at::BFloat16>();
   // Blocks (x stays in L2 while the panels pass over it) x panels (a panel stays in L1 for the block's
   // row tiles), split over threads.
-  at::parallel_for(0, num_blocks(M) * panels, 1, [&](int64_t i0, int64_t i1) {
+  const int64_t block = balanced_block_rows(M);
+  at::parallel_for(0, num_blocks(M, block) * panels, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const PanelJob job = panel_job(i, M, n, panels);
+      const PanelJob job = panel_job(i, M, n, panels, block);
       const __m512i* wp = w + job.panel * KP * 2;
       for_each_tile(job.first, job.rows, [&](int64_t m0, int64_t r) {
         with_rows<kMaxRows>(r, [&](auto R) {
@@ -208,12 +229,14 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
   const int64_t xs = xf.stride(0);
   const __m256i* w = reinterpret_cast<const __m256i*>(packed.data_ptr<at::BFloat16>());
   at::BFloat16* o = out.data_ptr<at::BFloat16>();
-  // Rows per block: the block's fp32 x and the widened panel (K x 128 bytes) together stay in a 512 KB L2.
+  // Rows per block: near-equal blocks of at most what kBlockBudget allows (at least 24 rows).
   const int64_t K = 2 * KP;
-  const int64_t block = std::clamp<int64_t>(((kL2Budget - K * 128) / (K * 4)) / kMaxRowsWide * kMaxRowsWide,
-                                            4 * kMaxRowsWide, kBlockRows);
+  const int64_t most = std::clamp<int64_t>(((kBlockBudget - kChunk * 128) / (K * 4)) / kMaxRowsWide * kMaxRowsWide,
+                                           4 * kMaxRowsWide, kBlockRows);
+  const int64_t block = balanced_block_rows(M, most);
   at::parallel_for(0, num_blocks(M, block) * panels, 1, [&](int64_t i0, int64_t i1) {
-    std::unique_ptr<float, decltype(&std::free)> wide(nullptr, &std::free);  // this thread's widened panel
+    // this thread's widened chunk [kChunk][32] and its tiles' running sums [block][32]
+    std::unique_ptr<float, decltype(&std::free)> wide(nullptr, &std::free), sums(nullptr, &std::free);
     for (int64_t i = i0; i < i1; ++i) {
       const PanelJob job = panel_job(i, M, n, panels, block);
       const __m256i* wp = w + job.panel * KP * 4;
@@ -227,14 +250,21 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
         }, kMaxRowsAvx2);
         continue;
       }
-      if (!wide) wide.reset(static_cast<float*>(std::aligned_alloc(32, 2 * KP * kPanel * sizeof(float))));
-      widen_panel(wp, KP, wide.get());
-      for (int half = 0; half < 2 && 16 * half < cols; ++half)
-        for_each_tile(job.first, job.rows, [&](int64_t m0, int64_t r) {
-          with_rows<kMaxRowsWide>(r, [&](auto R) {
-            tile_wide<decltype(R)::value>(xp + m0 * xs, xs, wide.get(), K, half, op + m0 * n, n, cols);
-          });
-        }, kMaxRowsWide);
+      if (!wide) {
+        wide.reset(static_cast<float*>(std::aligned_alloc(32, kChunk * kPanel * sizeof(float))));
+        sums.reset(static_cast<float*>(std::aligned_alloc(32, block * kPanel * sizeof(float))));
+      }
+      for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+        const int64_t kc = std::min(kChunk, K - k0);
+        widen_panel(wp, k0 / 2, (k0 + kc) / 2, wide.get());
+        for (int half = 0; half < 2 && 16 * half < cols; ++half)
+          for_each_tile(job.first, job.rows, [&](int64_t m0, int64_t r) {
+            with_rows<kMaxRowsWide>(r, [&](auto R) {
+              tile_wide<decltype(R)::value>(xp + m0 * xs, xs, wide.get(), k0, kc, k0 == 0, k0 + kc == K, half,
+                                            sums.get() + (m0 - job.first) * kPanel, op + m0 * n, n, cols);
+            });
+          }, kMaxRowsWide);
+      }
     }
   });
   return out;

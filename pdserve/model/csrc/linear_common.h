@@ -67,6 +67,14 @@ inline PanelJob panel_job(int64_t i, int64_t M, int64_t n, int64_t panels, int64
 
 inline int64_t num_blocks(int64_t M, int64_t block_rows = kBlockRows) { return (M + block_rows - 1) / block_rows; }
 
+// Rows per block for M rows in blocks of at most `max_rows`: near-equal blocks, so the threads' even
+// shares of blocks x panels are even shares of the work (blocks of 192 + 64 rows would give one of two
+// threads three times the other's).
+inline int64_t balanced_block_rows(int64_t M, int64_t max_rows = kBlockRows) {
+  const int64_t blocks = std::max<int64_t>(1, num_blocks(M, max_rows));
+  return (M + blocks - 1) / blocks;
+}
+
 inline int64_t num_tiles(int64_t rows, int64_t max_rows = kMaxRows) { return (rows + max_rows - 1) / max_rows; }
 
 // f(m0, r) for each register tile (of at most `max_rows` rows) of a block's rows [first, first + rows):

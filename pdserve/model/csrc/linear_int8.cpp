@@ -110,12 +110,13 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
   const int8_t* q = packed.data_ptr<int8_t>();
   const float* s = scale.data_ptr<float>();
   at::BFloat16* o = out.data_ptr<at::BFloat16>();
-  at::parallel_for(0, num_blocks(M) * panels, 1, [&](int64_t i0, int64_t i1) {
+  const int64_t block = balanced_block_rows(M);
+  at::parallel_for(0, num_blocks(M, block) * panels, 1, [&](int64_t i0, int64_t i1) {
     // A block of more rows than one tile widens each panel once, into this thread's scratch.
     std::unique_ptr<__m512i[], decltype(&std::free)> scratch(nullptr, &std::free);
     if (M > kMaxRows) scratch.reset(static_cast<__m512i*>(std::aligned_alloc(64, KP * 2 * sizeof(__m512i))));
     for (int64_t i = i0; i < i1; ++i) {
-      const PanelJob job = panel_job(i, M, n, panels);
+      const PanelJob job = panel_job(i, M, n, panels, block);
       const int8_t* qp = q + job.panel * KP * 64;
       const float* sp = s + job.panel * kPanel;
       if (num_tiles(job.rows) == 1) {
