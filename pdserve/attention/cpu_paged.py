@@ -101,7 +101,7 @@ DECODE_CONTEXT = 512
 PREFILL_LENS: tuple[int, ...] = (16, 64, 256, 1024, 2048)
 DECODE_KERNELS = ("cpp", "torch")  # the C++ paged decode; the reference's gather + bmm
 # the C++ flash prefill on AVX-512 / on AMX tiles; torch SDPA in the model's dtype / on inputs widened to
-# float32 (a 16-bit model on a CPU without AVX-512 BF16: 1.5x torch's bf16 SDPA at 256 tokens on an EPYC)
+# float32 (a 16-bit model on a CPU without AVX-512 BF16: bf16 SDPA took 1.06-1.34x its time on an EPYC)
 PREFILL_KERNELS = ("cpp", "amx", "sdpa", "sdpa-f32")
 _SDPA = {"sdpa": None, "sdpa-f32": torch.float32}  # the reference's prefill and its compute dtype
 
