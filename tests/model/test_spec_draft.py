@@ -153,16 +153,39 @@ def test_rolled_back_draft_cache_proposes_as_a_fresh_one(make_draft_llm, prompts
     assert p.num_free_blocks == p.num_blocks
 
 
+BF16_TIE = 0.02  # two bfloat16 ulps of a logit in [1, 2); the tiny model's top logits are that close
+
+
+def assert_greedy_close(got: list[list[int]], reference) -> None:  # type: ignore[no-untyped-def]
+    """bf16 greedy under speculation vs plain decoding. Verification runs the drafts as a short prompt
+    chunk (prefill kernels, other row counts, a cost rule that reads timings), so its bf16 logits round
+    differently from a decode step's and a near-tie may flip: each sequence must equal the reference up
+    to its first difference, and there the speculative token must be one the reference scored within
+    `BF16_TIE` of its own argmax (vLLM's `check_logprobs_close` also stops at the first difference)."""
+    for out, ref in zip(got, reference, strict=True):
+        want = ref.outputs[0].token_ids
+        assert len(out) == len(want)
+        i = next((i for i, (a, b) in enumerate(zip(out, want)) if a != b), None)
+        if i is None:
+            continue
+        top = ref.outputs[0].logprobs[i]
+        assert out[i] in top, f"position {i}: token {out[i]} is not among the reference's top {sorted(top)}"
+        assert top[want[i]] - top[out[i]] <= BF16_TIE, f"position {i}: not a near-tie {top}"
+
+
 def test_bf16_engine_prices_speculation_by_its_kernel_tables(tiny_weights, prompts, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """In bf16 on the CPU both models' linears are tuned: the executor takes the cost rule with the two
-    measured curves (no fixed caps), learns the rest of a step, and greedy output stays plain decoding's."""
+    measured curves (no fixed caps), learns the rest of a step, and greedy output stays plain decoding's
+    up to bf16 near-ties (`assert_greedy_close`)."""
     from pdserve import LLM
 
     def llm(**kw):  # type: ignore[no-untyped-def]
         return LLM(dtype="bfloat16", device="cpu", model_config=TINY, weights=tiny_weights, num_blocks=128,
                    block_size=4, kernel_cache_dir=str(tmp_path), **kw)
 
-    want = tokens(llm(), prompts)
+    # The reference asks for logprobs only to judge a divergence: its argmax is the plain path's.
+    reference = llm().generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2),
+                               use_tqdm=False)
     cfg, w = first_layers(TINY, tiny_weights, 1)
     spec_llm = llm(speculative_config=DRAFT, draft_model_config=cfg, draft_weights=w)
     ex = spec_llm.engine.spec_executor
@@ -171,7 +194,7 @@ def test_bf16_engine_prices_speculation_by_its_kernel_tables(tiny_weights, promp
     assert ex.target_curve.rows == tuple(table.buckets)
     assert ex.target_curve.seconds == pytest.approx(table.chosen_seconds())
     assert ex.draft_curve is not None and ex.draft_curve.rows == ex.target_curve.rows
-    assert tokens(spec_llm, prompts) == want
+    assert_greedy_close(tokens(spec_llm, prompts), reference)
     assert ex.residual.num_observations > 0
     fixed = llm(speculative_config={**DRAFT, "disable_by_batch_size": 8}, draft_model_config=cfg, draft_weights=w)
     assert fixed.engine.spec_executor.length_rule == "acceptance"
