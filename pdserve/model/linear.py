@@ -32,7 +32,8 @@ channel, half the bytes a decode step streams) the same three names mean:
 
 - `Int8DotLinear` ("pdserve"): `csrc/linear_int8.cpp`, the bf16 kernel's layout at one byte per weight,
   widened to bf16 in registers as it streams (one row tile) or once per panel into L2 (several);
-  row-independent like its bf16 sibling.
+  row-independent like its bf16 sibling. Its AVX2 + FMA build (no AVX-512 BF16) runs the AVX2 bf16
+  kernel's fp32 tiles (`csrc/linear_avx2.h`) on int8 panels, scaling the fp32 sums per column.
 - `AtenInt8Linear` ("torch"): ATen's `_weight_int8pack_mm` (bf16 x int8, per-channel bf16 scales),
   on Q itself (no copy). It needs K % 16 == 0 (it crashes otherwise: checked before packing).
 - `DequantOneDnnLinear` ("onednn"): each call widens Q to bf16 (exact) and runs `F.linear` (oneDNN, AMX
@@ -87,7 +88,8 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "linear_bf16.cpp")
 _SOURCE_INT8 = os.path.join(os.path.dirname(__file__), "csrc", "linear_int8.cpp")
-_HEADER = os.path.join(os.path.dirname(__file__), "csrc", "linear_common.h")  # included by both
+# included by both kernels' sources
+_HEADERS = tuple(os.path.join(os.path.dirname(__file__), "csrc", h) for h in ("linear_common.h", "linear_avx2.h"))
 
 PackedLinear = Callable[[torch.Tensor], torch.Tensor]
 LINEAR_KINDS = ("auto", "pdserve", "amx", "onednn", "fp32", "torch")
@@ -117,7 +119,7 @@ def _kernel() -> Any:
 
 @functools.cache
 def _kernel_int8() -> Any:
-    return _build("pdserve_linear_int8", _SOURCE_INT8, "AVX-512 BF16")
+    return _build("pdserve_linear_int8", _SOURCE_INT8, "AVX-512 BF16 or AVX2 + FMA")
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,7 +213,7 @@ class Int8DotLinear:
         self._ext = _kernel_int8()
         self.out_features = weight.shape[0]
         self.packed = self._ext.pack(weight.q)
-        self.scale = torch.zeros(self.packed.shape[0] * self.packed.shape[2])  # padded to whole panels
+        self.scale = torch.zeros(self.packed.shape[0] * 32)  # padded to whole 32-column panels
         self.scale[: self.out_features] = weight.scale
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -509,7 +511,7 @@ def tune_key(
     cpu, flags = autotune.cpu_info()
     weight_dtype = _weight_dtype(weights, weight_dtype)
     digest = hashlib.sha256()
-    for src in (_SOURCE if weight_dtype == "bfloat16" else _SOURCE_INT8, _HEADER):
+    for src in (_SOURCE if weight_dtype == "bfloat16" else _SOURCE_INT8, *_HEADERS):
         with open(src, "rb") as f:
             digest.update(f.read())
     kernel_digest = digest.hexdigest()[:16]

@@ -11,16 +11,11 @@
 // Accumulation is fp32 in a fixed k order per output element, so a row's result does not depend on the
 // other rows of the call (batch-invariant); the output is rounded to bf16 to nearest even.
 //
-// On a CPU without AVX-512 BF16 but with AVX2 and FMA (AMD Zen 2/3, older Xeons), where oneDNN has no bf16
-// matmul and torch's own bf16 GEMM runs at a few GFLOP/s, the same panels are read by an fp32 FMA tile:
-// a 32-byte load of a k pair of 8 columns is two fp32 vectors after one shift (even k: the low halves moved
-// up) and one mask (odd k: the high halves as they are), both exact, against x converted to fp32 once per
-// call. Blocks of fewer than 16 rows (decode) stream the panel as bf16 in 3 x 32 tiles; larger blocks widen
-// it to fp32 128 k at a time (a 16 KB chunk, each half in L1 while every row tile of the block passes
-// over it) and run 6 x 16 tiles on the chunk, two weight loads and six broadcasts per 12 FMAs, the
-// tiles' fp32 sums carried from chunk to chunk. Both do the same fp32 FMAs per output element in k order,
-// so a row's result does not depend on the path (batch-invariant); the bf16 products are exact in fp32,
-// so only that order and the final bf16 rounding differ from a float32 reference.
+// On a CPU without AVX-512 BF16 but with AVX2 and FMA (AMD Zen 2/3, older Xeons) the same panels are read
+// by fp32 FMA tiles (linear_avx2.h, shared with the int8-weight kernel): each k pair widened to fp32 in
+// registers for decode's few rows, or a chunk of the panel widened once for many rows' 6 x 16 tiles; the
+// same fp32 FMAs per output element in k order either way (batch-invariant).
+#include "linear_avx2.h"
 #include "linear_common.h"
 
 #include <ATen/Parallel.h>
@@ -33,12 +28,10 @@
 
 using namespace pdserve_linear;
 
-namespace {
-constexpr int64_t kPrefetch = 64;  // k pairs ahead that W is prefetched (8 KB of a panel)
-}  // namespace
-
 #ifdef PDSERVE_HAVE_AVX512BF16
 namespace {
+
+constexpr int64_t kPrefetch = 64;  // k pairs ahead that W is prefetched (8 KB of a panel)
 
 // Rows [0, R) of x (int32 = one k pair, row stride xs) against one panel, all K/2 k pairs, to o as
 // bf16 (columns masked by keep0/keep1 on a partial last panel).
@@ -60,130 +53,6 @@ void tile(const int32_t* x, int64_t xs, const __m512i* w, int64_t KP, at::BFloat
   for (int r = 0; r < R; ++r) {
     store_bf16x16(o + r * os, acc[r][0], keep0);
     store_bf16x16(o + r * os + 16, acc[r][1], keep1);
-  }
-}
-
-}  // namespace
-#elif defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define PDSERVE_LINEAR_AVX2 1
-// Register tiles: loops over a tile's rows and vectors fully unrolled, or GCC keeps the accumulator array
-// on the stack and stores it back every k step.
-#define PDSERVE_UNROLL _Pragma("GCC unroll 16")
-namespace {
-
-constexpr int64_t kMaxRowsAvx2 = 3;    // streaming tile: 12 accumulators + 2 weight vectors + 2 broadcasts
-constexpr int64_t kMaxRowsWide = 6;    // widened tile: 6 rows x 16 columns = 12 accumulators (as BLIS's 6x16)
-constexpr int64_t kWidenFrom = 16;     // a block of at least this many rows widens its panel first
-constexpr int64_t kChunk = 128;        // k per widened chunk of a panel (a half: kChunk x 64 bytes, in L1)
-// Bytes of a widened block's fp32 x (rows x K x 4) and chunk: past a 512 KB L2, measured faster on a Zen 3
-// host than blocks that fit it (x streams in order from L3 while the chunk sits in L1, and each panel
-// comes from DRAM once per block, so fewer blocks read the weights fewer times).
-constexpr int64_t kBlockBudget = 1024 << 10;
-
-// 8 fp32 -> 8 bf16 bit patterns, rounded to nearest even.
-inline __m128i to_bf16x8(__m256 v) {
-  __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  bits = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
-  // 32 -> 16 bits per lane (values fit: unsigned saturation never triggers), then the low 8 bytes of
-  // each 128-bit half
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0x08));
-}
-
-// One row's V vectors of 8 accumulators to o as bf16, its first `cols` columns.
-template <int V>
-inline void store_row(const __m256* acc, at::BFloat16* o, int64_t cols) {
-  if (cols <= 0) return;
-  alignas(16) uint16_t row[8 * V];
-  PDSERVE_UNROLL
-  for (int c = 0; c < V; ++c) _mm_store_si128(reinterpret_cast<__m128i*>(row + 8 * c), to_bf16x8(acc[c]));
-  std::memcpy(o, row, std::min<int64_t>(cols, 8 * V) * sizeof(uint16_t));
-}
-
-// The even and odd k of a k pair of 8 columns (one 32-byte load of the panel) as fp32, exactly.
-inline void widen_pair(__m256i v, __m256& even, __m256& odd) {
-  even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-  odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
-}
-
-// Few rows (decode): rows [0, R) of x (fp32, row stride xs) against one panel read as bf16, all K/2 k
-// pairs, to o as bf16 (the first `cols` columns: fewer on a partial last panel). The weights stream from
-// memory once for the R rows.
-template <int R>
-void tile_stream(const float* x, int64_t xs, const __m256i* w, int64_t KP, at::BFloat16* o, int64_t os, int64_t cols) {
-  __m256 acc[R][4];
-  PDSERVE_UNROLL
-  for (int r = 0; r < R; ++r) {
-    PDSERVE_UNROLL
-    for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
-  }
-  for (int64_t kp = 0; kp < KP; ++kp) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + 4 * (kp + kPrefetch)), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + 4 * (kp + kPrefetch) + 2), _MM_HINT_T0);
-    PDSERVE_UNROLL
-    for (int c = 0; c < 4; ++c) {
-      __m256 w0, w1;
-      widen_pair(_mm256_load_si256(w + 4 * kp + c), w0, w1);
-      PDSERVE_UNROLL
-      for (int r = 0; r < R; ++r) {
-        acc[r][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * xs + 2 * kp), w0, acc[r][c]);
-        acc[r][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * xs + 2 * kp + 1), w1, acc[r][c]);
-      }
-    }
-  }
-  PDSERVE_UNROLL
-  for (int r = 0; r < R; ++r) store_row<4>(acc[r], o + r * os, cols);
-}
-
-// k pairs [kp0, kp1) of a panel widened to fp32 rows of 32 columns, wf [2 (kp1 - kp0)][32], for the tiles
-// of a block.
-void widen_panel(const __m256i* w, int64_t kp0, int64_t kp1, float* wf) {
-  for (int64_t kp = kp0; kp < kp1; ++kp) {
-    float* row = wf + 2 * (kp - kp0) * kPanel;
-    PDSERVE_UNROLL
-    for (int c = 0; c < 4; ++c) {
-      __m256 w0, w1;
-      widen_pair(_mm256_load_si256(w + 4 * kp + c), w0, w1);
-      _mm256_store_ps(row + 8 * c, w0);
-      _mm256_store_ps(row + kPanel + 8 * c, w1);
-    }
-  }
-}
-
-// Many rows (prompts, large batches): rows [0, R) against 16 columns (`half` 0 or 1) of a widened chunk of
-// a panel, k in [k0, k0 + kc): wf [kc][32]. The tile's fp32 sums carry over chunks in c [R][32] (this
-// half's 16 columns); the last chunk writes o's columns [16 half, 16 half + 16) up to `cols` as bf16.
-// Per k: two weight loads, R broadcasts, 2R FMAs; the same fp32 FMAs in the same k order as tile_stream.
-template <int R>
-void tile_wide(const float* x, int64_t xs, const float* wf, int64_t k0, int64_t kc, bool first, bool last, int half,
-               float* c, at::BFloat16* o, int64_t os, int64_t cols) {
-  __m256 acc[R][2];
-  float* cp = c + 16 * half;
-  PDSERVE_UNROLL
-  for (int r = 0; r < R; ++r) {
-    acc[r][0] = first ? _mm256_setzero_ps() : _mm256_load_ps(cp + r * kPanel);
-    acc[r][1] = first ? _mm256_setzero_ps() : _mm256_load_ps(cp + r * kPanel + 8);
-  }
-  const float* w = wf + 16 * half;
-  x += k0;
-  for (int64_t k = 0; k < kc; ++k) {
-    const __m256 w0 = _mm256_load_ps(w + k * kPanel), w1 = _mm256_load_ps(w + k * kPanel + 8);
-    PDSERVE_UNROLL
-    for (int r = 0; r < R; ++r) {
-      const __m256 xb = _mm256_broadcast_ss(x + r * xs + k);
-      acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
-    }
-  }
-  PDSERVE_UNROLL
-  for (int r = 0; r < R; ++r) {
-    if (last) {
-      store_row<2>(acc[r], o + r * os + 16 * half, cols - 16 * half);
-    } else {
-      _mm256_store_ps(cp + r * kPanel, acc[r][0]);
-      _mm256_store_ps(cp + r * kPanel + 8, acc[r][1]);
-    }
   }
 }
 
@@ -224,49 +93,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
   const int64_t M = x.size(0), KP = packed.size(1), panels = packed.size(0);
   auto out = torch::empty({M, n}, x.options());
   if (M == 0) return out;
-  const auto xf = x.to(torch::kFloat).contiguous();  // broadcast as fp32: converted once per call
-  const float* xp = xf.data_ptr<float>();
-  const int64_t xs = xf.stride(0);
   const __m256i* w = reinterpret_cast<const __m256i*>(packed.data_ptr<at::BFloat16>());
-  at::BFloat16* o = out.data_ptr<at::BFloat16>();
-  // Rows per block: near-equal blocks of at most what kBlockBudget allows (at least 24 rows).
-  const int64_t K = 2 * KP;
-  const int64_t most = std::clamp<int64_t>(((kBlockBudget - kChunk * 128) / (K * 4)) / kMaxRowsWide * kMaxRowsWide,
-                                           4 * kMaxRowsWide, kBlockRows);
-  const int64_t block = balanced_block_rows(M, most);
-  at::parallel_for(0, num_blocks(M, block) * panels, 1, [&](int64_t i0, int64_t i1) {
-    // this thread's widened chunk [kChunk][32] and its tiles' running sums [block][32]
-    std::unique_ptr<float, decltype(&std::free)> wide(nullptr, &std::free), sums(nullptr, &std::free);
-    for (int64_t i = i0; i < i1; ++i) {
-      const PanelJob job = panel_job(i, M, n, panels, block);
-      const __m256i* wp = w + job.panel * KP * 4;
-      at::BFloat16* op = o + job.panel * kPanel;
-      const int64_t cols = std::min(kPanel, n - job.panel * kPanel);
-      if (job.rows < kWidenFrom) {
-        for_each_tile(job.first, job.rows, [&](int64_t m0, int64_t r) {
-          with_rows<kMaxRowsAvx2>(r, [&](auto R) {
-            tile_stream<decltype(R)::value>(xp + m0 * xs, xs, wp, KP, op + m0 * n, n, cols);
-          });
-        }, kMaxRowsAvx2);
-        continue;
-      }
-      if (!wide) {
-        wide.reset(static_cast<float*>(std::aligned_alloc(32, kChunk * kPanel * sizeof(float))));
-        sums.reset(static_cast<float*>(std::aligned_alloc(32, block * kPanel * sizeof(float))));
-      }
-      for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
-        const int64_t kc = std::min(kChunk, K - k0);
-        widen_panel(wp, k0 / 2, (k0 + kc) / 2, wide.get());
-        for (int half = 0; half < 2 && 16 * half < cols; ++half)
-          for_each_tile(job.first, job.rows, [&](int64_t m0, int64_t r) {
-            with_rows<kMaxRowsWide>(r, [&](auto R) {
-              tile_wide<decltype(R)::value>(xp + m0 * xs, xs, wide.get(), k0, kc, k0 == 0, k0 + kc == K, half,
-                                            sums.get() + (m0 - job.first) * kPanel, op + m0 * n, n, cols);
-            });
-          }, kMaxRowsWide);
-      }
-    }
-  });
+  avx2::linear(x, KP, panels, n, [w, KP](int64_t p) { return avx2::Bf16Panel{w + p * KP * 4}; }, nullptr, out);
   return out;
 #else
   TORCH_CHECK(false, "built without AVX-512 BF16 or AVX2 + FMA");

@@ -12,12 +12,19 @@
 // The per-channel scale multiplies the fp32 sums once at the end. Q is prefetched 8 KB ahead in the
 // panel; rows come in blocks of 192 that stay in L2 (as in the bf16 kernel).
 // Accumulation order per output element is fixed, so a row's result does not depend on the other rows.
+//
+// On a CPU with AVX2 and FMA but no AVX-512 BF16, the panels are reordered once ([K/2][4][2][8]: a k pair
+// of 8 columns as 8 bytes of even k, then 8 of odd k) and read by the AVX2 bf16 kernel's fp32 tiles
+// (linear_avx2.h): each 8 bytes one sign-extending load and one int32 -> fp32 conversion (exact), the
+// per-column scale applied to the fp32 sums before the bf16 rounding.
+#include "linear_avx2.h"
 #include "linear_common.h"
 
 #include <ATen/Parallel.h>
 
 #include <cstdlib>
 #include <memory>
+#include <string>
 
 using namespace pdserve_linear;
 
@@ -93,7 +100,13 @@ void tile(const int32_t* x, int64_t xs, const W& w, int64_t KP, const float* s, 
 
 // q [N, K] int8, K even -> [ceil(N/32), K/2, 32, 2] (columns past N are zero). 64-byte aligned by torch's
 // CPU allocator, which the 16-byte aligned loads of `widen` rely on.
-torch::Tensor pack(torch::Tensor q) { return pack_panels(q, torch::kChar); }
+torch::Tensor pack(torch::Tensor q) {
+#ifdef PDSERVE_LINEAR_AVX2
+  return avx2::int8_pair_order(pack_panels(q, torch::kChar));
+#else
+  return pack_panels(q, torch::kChar);
+#endif
+}
 
 // x [M, K] bf16 (rows may be strided) times the packed Q of n output columns, scaled per column by
 // `scale` (fp32, padded to the panels' width) -> [M, n] bf16.
@@ -137,14 +150,41 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
     }
   });
   return out;
+#elif defined(PDSERVE_LINEAR_AVX2)
+  TORCH_CHECK(packed.dim() == 5 && packed.size(2) == 4 && packed.size(3) == 2 && packed.size(4) == 8,
+              "packed weight is not this build's int8 layout");
+  x = check_args(x, packed.view({packed.size(0), packed.size(1), kPanel, 2}), n, torch::kChar);
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.numel() == packed.size(0) * kPanel,
+              "scale must be fp32, one per padded column");
+  const int64_t M = x.size(0), KP = packed.size(1), panels = packed.size(0);
+  auto out = torch::empty({M, n}, x.options());
+  if (M == 0) return out;
+  const int8_t* q = packed.data_ptr<int8_t>();
+  avx2::linear(x, KP, panels, n, [q, KP](int64_t p) { return avx2::Int8Panel{q + p * KP * 64}; },
+               scale.data_ptr<float>(), out);
+  return out;
 #else
-  TORCH_CHECK(false, "built without AVX-512 BF16");
+  TORCH_CHECK(false, "built without AVX-512 BF16 or AVX2 + FMA");
   return x;
 #endif
 }
 
+// Which instruction set this build's kernel runs on ("" where it has none).
+std::string isa() {
+#ifdef PDSERVE_HAVE_AVX512BF16
+  return "avx512-bf16";
+#elif defined(PDSERVE_LINEAR_AVX2)
+  return "avx2-fma";
+#else
+  return "";
+#endif
+}
+
+bool int8_available() { return !isa().empty(); }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("available", &available, "whether this build has the AVX-512 BF16 int8-weight kernel");
+  m.def("available", &int8_available, "whether this build has a kernel (AVX-512 BF16 or AVX2 + FMA)");
+  m.def("isa", &isa, "the instruction set of this build's kernel");
   m.def("pack", &pack, "pack [N, K] int8 weights into 32-column panels of k pairs");
   m.def("linear", &linear, "x @ (scale * Q)^T from packed Q, bf16 activations");
 }
