@@ -16,6 +16,8 @@
 
 #include "linear_common.h"
 
+#include <string>
+
 #if !defined(PDSERVE_HAVE_AVX512BF16) && defined(__AVX2__) && defined(__FMA__)
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -235,3 +237,18 @@ void linear(const torch::Tensor& x, int64_t KP, int64_t panels, int64_t n, MakeP
 
 }  // namespace pdserve_linear::avx2
 #endif
+
+namespace pdserve_linear {
+
+// Which instruction set this build's kernels run on ("" where they have none).
+inline std::string isa() {
+#ifdef PDSERVE_HAVE_AVX512BF16
+  return "avx512-bf16";
+#elif defined(PDSERVE_LINEAR_AVX2)
+  return "avx2-fma";
+#else
+  return "";
+#endif
+}
+
+}  // namespace pdserve_linear

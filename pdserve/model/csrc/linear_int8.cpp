@@ -169,16 +169,6 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
 #endif
 }
 
-// Which instruction set this build's kernel runs on ("" where it has none).
-std::string isa() {
-#ifdef PDSERVE_HAVE_AVX512BF16
-  return "avx512-bf16";
-#elif defined(PDSERVE_LINEAR_AVX2)
-  return "avx2-fma";
-#else
-  return "";
-#endif
-}
 
 bool int8_available() { return !isa().empty(); }
 
