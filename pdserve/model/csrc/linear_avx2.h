@@ -251,4 +251,7 @@ inline std::string isa() {
 #endif
 }
 
+// Whether this build has a kernel at all (AVX-512 BF16 or AVX2 + FMA).
+inline bool available() { return !isa().empty(); }
+
 }  // namespace pdserve_linear

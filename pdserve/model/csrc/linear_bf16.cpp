@@ -256,11 +256,8 @@ torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, int64_t n) {
 #endif
 }
 
-
-bool bf16_available() { return !isa().empty(); }
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("available", &bf16_available, "whether this build has a kernel (AVX-512 BF16 or AVX2 + FMA)");
+  m.def("available", &available, "whether this build has a kernel (AVX-512 BF16 or AVX2 + FMA)");
   m.def("isa", &isa, "the instruction set of this build's kernel");
   m.def("pack", &pack, "pack [N, K] bf16 weights into 32-column panels of k pairs");
   m.def("linear", &linear, "x @ W^T from packed W, bf16");

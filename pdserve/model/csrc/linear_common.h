@@ -117,15 +117,3 @@ inline void store_bf16x16(at::BFloat16* o, __m512 v, __mmask16 keep) {
 
 }  // namespace pdserve_linear
 #endif
-
-namespace pdserve_linear {
-
-inline bool available() {
-#ifdef PDSERVE_HAVE_AVX512BF16
-  return true;
-#else
-  return false;
-#endif
-}
-
-}  // namespace pdserve_linear

@@ -98,7 +98,8 @@ void tile(const int32_t* x, int64_t xs, const W& w, int64_t KP, const float* s, 
 }  // namespace
 #endif
 
-// q [N, K] int8, K even -> [ceil(N/32), K/2, 32, 2] (columns past N are zero). 64-byte aligned by torch's
+// q [N, K] int8, K even -> [ceil(N/32), K/2, 32, 2] (columns past N are zero; the AVX2 build's
+// [ceil(N/32), K/2, 4, 2, 8]). 64-byte aligned by torch's
 // CPU allocator, which the 16-byte aligned loads of `widen` rely on.
 torch::Tensor pack(torch::Tensor q) {
 #ifdef PDSERVE_LINEAR_AVX2
@@ -169,11 +170,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
 #endif
 }
 
-
-bool int8_available() { return !isa().empty(); }
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("available", &int8_available, "whether this build has a kernel (AVX-512 BF16 or AVX2 + FMA)");
+  m.def("available", &available, "whether this build has a kernel (AVX-512 BF16 or AVX2 + FMA)");
   m.def("isa", &isa, "the instruction set of this build's kernel");
   m.def("pack", &pack, "pack [N, K] int8 weights into 32-column panels of k pairs");
   m.def("linear", &linear, "x @ (scale * Q)^T from packed Q, bf16 activations");
