@@ -1,5 +1,6 @@
 """Prefill attention kernels side by side: the C++ flash kernel on AVX-512 BF16, its AMX variant (where the
-CPU has AMX), and torch's SDPA, on the attention shapes of SmolLM2 (9 / 3 heads, head_dim 64), Qwen2.5-0.5B
+CPU has AMX), its AVX2 + FMA variant (any x86-64 CPU from Haswell / Zen on), and torch's SDPA on bf16 and on
+float32-widened inputs, on the attention shapes of SmolLM2 (9 / 3 heads, head_dim 64), Qwen2.5-0.5B
 (14 / 2, 64) and Qwen2.5-1.5B (12 / 2, 128).
 
     .venv/bin/python benchmarks/prefill_kernels.py [--repeats 7] [--block-size 128] [--json out.json]
@@ -55,15 +56,18 @@ def main() -> None:
     k = load_kernel()
     limits = measure_machine()
     print(f"host: {cpu_name()}, {torch.get_num_threads()} threads, {' '.join(f for f, on in cpu_flags().items() if on)}; DRAM read "
-          f"{limits.memory_bandwidth / 1e9:.0f} GB/s, bf16 matmul {limits.matmul_flops['bfloat16'] / 1e12:.2f} TFLOP/s")
+          f"{limits.memory_bandwidth / 1e9:.0f} GB/s, matmul bf16 {limits.matmul_flops['bfloat16'] / 1e12:.2f} / float32 "
+          f"{limits.matmul_flops['float32'] / 1e12:.2f} TFLOP/s")
     rows = []
-    print(f"{'shape':>10} {'case':>9} | {'avx512 ms':>9} {'amx ms':>8} {'sdpa ms':>8} | {'best GF/s':>9} | "
-          "amx vs avx512 / best vs sdpa   (-: no such kernel on this CPU)")
+    names = ("avx512", "amx", "avx2", "sdpa", "sdpa-f32")
+    print(f"{'shape':>10} {'case':>9} | " + " ".join(f"{n + ' ms':>11}" for n in names) +
+          f" | {'best GF/s':>9} | best C++ vs best SDPA   (-: no such kernel on this CPU)")
     for name, (H, KVH, D) in SHAPES.items():
-        avx = bool(k.prefill_fast_path(True, H, KVH, D, args.block_size))
-        amx = bool(k.prefill_amx_fast_path(True, H, KVH, D, args.block_size))
+        bs = args.block_size
+        has = {"avx512": bool(k.prefill_fast_path(True, H, KVH, D, bs)),
+               "amx": bool(k.prefill_amx_fast_path(True, H, KVH, D, bs)),
+               "avx2": bool(k.prefill_avx2_path(True, H, KVH, D, bs)), "sdpa": True, "sdpa-f32": True}
         for case, seqs in CASES.items():
-            bs = args.block_size
             g = torch.Generator().manual_seed(0)
             nb = sum(-(-(c + n) // bs) for c, n in seqs)
             kc = torch.randn(KVH, nb, bs, D, generator=g).bfloat16()
@@ -79,24 +83,32 @@ def main() -> None:
             lens, ctx = torch.tensor([n for _, n in seqs]), torch.tensor([c + n for c, n in seqs])
             flops = sum(4 * H * D * n * (c + (n + 1) / 2) for c, n in seqs)
             call = (q, kc, vc, table, starts, lens, ctx, D**-0.5, out)
-            t_avx = best(lambda: k.paged_prefill(*call), args.repeats) if avx else float("nan")
-            t_amx = best(lambda: k.paged_prefill_amx(*call), args.repeats) if amx else float("nan")
             c0, n0 = seqs[0]
-            qq = torch.randn(1, H, n0, D).bfloat16()
-            kk, vv = torch.randn(1, H, c0 + n0, D).bfloat16(), torch.randn(1, H, c0 + n0, D).bfloat16()
             mask = None if c0 == 0 else torch.ones(n0, c0 + n0, dtype=torch.bool).tril(c0)
-            t_sdpa = len(seqs) * best(
-                lambda: F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, is_causal=mask is None), args.repeats)
-            rows.append({"shape": name, "case": case, "avx512_s": t_avx if avx else None, "amx_s": t_amx if amx else None,
-                         "sdpa_s": t_sdpa, "flops": flops})
-            t_best = min(t_sdpa, *(t for t in (t_avx, t_amx) if t == t))
-            print(f"{name:>10} {case:>9} | {ms(t_avx):>9} {ms(t_amx):>8} {ms(t_sdpa):>8} | {flops / t_best / 1e9:9.0f} | "
-                  f"{ratio(t_avx, t_amx)} / {ratio(t_sdpa, t_best)}")
+
+            def sdpa(dtype: torch.dtype) -> float:
+                qq = torch.randn(1, H, n0, D).to(dtype)
+                kk, vv = torch.randn(1, H, c0 + n0, D).to(dtype), torch.randn(1, H, c0 + n0, D).to(dtype)
+                return len(seqs) * best(lambda: F.scaled_dot_product_attention(
+                    qq, kk, vv, attn_mask=mask, is_causal=mask is None), args.repeats)
+
+            run = {"avx512": lambda: k.paged_prefill(*call, isa="avx512"), "amx": lambda: k.paged_prefill_amx(*call),
+                   "avx2": lambda: k.paged_prefill(*call, isa="avx2")}
+            t = {n: (best(run[n], args.repeats) if n in run else sdpa(torch.bfloat16 if n == "sdpa" else torch.float32))
+                 if has[n] else float("nan") for n in names}
+            rows.append({"shape": name, "case": case, "flops": flops,
+                         **{f"{n.replace('-', '_')}_s": (v if v == v else None) for n, v in t.items()}})
+            cpp = min((v for n, v in t.items() if v == v and "sdpa" not in n), default=float("nan"))
+            sd = min(t["sdpa"], t["sdpa-f32"])
+            t_best = min(sd, cpp) if cpp == cpp else sd
+            print(f"{name:>10} {case:>9} | " + " ".join(f"{ms(t[n]):>11}" for n in names) +
+                  f" | {flops / t_best / 1e9:9.0f} | {ratio(sd, cpp)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"host": {"cpu": cpu_name(), "flags": [f for f, on in cpu_flags().items() if on], "threads": torch.get_num_threads(),
                                 "dram_bytes_per_s": limits.memory_bandwidth,
-                                "bf16_flops": limits.matmul_flops["bfloat16"]}, "rows": rows}, f, indent=1)
+                                "bf16_flops": limits.matmul_flops["bfloat16"],
+                                "f32_flops": limits.matmul_flops["float32"]}, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,10 @@ threads, 128-token blocks from DRAM, 15-18 GB/s where the portable loop read 5-6
 tokens) goes through the same file's flash-style kernel: every prompt chunk of the step in one call, its context read in place through the block table,
 tiles of 16 query rows (one per vector lane) x 16 keys with AVX-512 BF16 dot products for q.k and p.v
 and a lane-wise online softmax (measured here, one 9-head prompt: 5.5-6.4x torch's CPU SDPA at
-128-1,000 tokens, 3.2-3.9x the previous key-per-lane version). Other shapes and dtypes use the
-reference SDPA path.
+128-1,000 tokens, 3.2-3.9x the previous key-per-lane version). Without AVX-512 the prefill runs its AVX2
++ FMA variant (`prefill_avx2`: 8 query rows per tile, K and V widened to float in L1, everything in
+float32; on an EPYC 1.4-1.9x the faster SDPA up to 256 tokens, about even from 1,024 on:
+`benchmarks/prefill_kernels.py`). Other shapes and dtypes use the reference SDPA path.
 
 A quantized cache (`--kv-cache-dtype int8 | fp8_e4m3`, kv/quant.py: 4 bytes of parameters per token and
 kv head, fp8's float32 scale or int8's float16 scale and zero) goes through the same kernels, which read
@@ -100,8 +102,9 @@ DECODE_BATCHES: tuple[int, ...] = (1, 8, 32)
 DECODE_CONTEXT = 512
 PREFILL_LENS: tuple[int, ...] = (16, 64, 256, 1024, 2048)
 DECODE_KERNELS = ("cpp", "torch")  # the C++ paged decode; the reference's gather + bmm
-# the C++ flash prefill on AVX-512 / on AMX tiles; torch SDPA in the model's dtype / on inputs widened to
-# float32 (a 16-bit model on a CPU without AVX-512 BF16: bf16 SDPA took 1.06-1.34x its time on an EPYC)
+# the C++ flash prefill (AVX-512 BF16, else AVX2 + FMA) / on AMX tiles; torch SDPA in the model's dtype / on
+# inputs widened to float32 (a 16-bit model on a CPU without AVX-512 BF16: bf16 SDPA took 1.06-1.34x its time
+# on an EPYC)
 PREFILL_KERNELS = ("cpp", "amx", "sdpa", "sdpa-f32")
 _SDPA = {"sdpa": None, "sdpa-f32": torch.float32}  # the reference's prefill and its compute dtype
 
@@ -160,6 +163,13 @@ class CpuPagedAttention(TorchAttention):
         float16 (no fp16 queries), where the engine uses the reference."""
         return kv_dtype in ("bfloat16", "float32", "int8", "fp8_e4m3", "int4")
 
+    def has_cpp_prefill(self, bf16: bool, num_heads: int, kvh: int, head_dim: int, block_size: int) -> bool:
+        """Whether `paged_prefill` runs for these shapes (bf16 queries and a bf16, int8 or fp8 cache: `bf16`)
+        on this build: its AVX-512 BF16 kernel, or its AVX2 + FMA one."""
+        k = self._kernel
+        return bool(k.prefill_fast_path(bf16, num_heads, kvh, head_dim, block_size)
+                    or k.prefill_avx2_path(bf16, num_heads, kvh, head_dim, block_size))
+
     def kernel_paths(self, cache: LayerCache, num_heads: int) -> tuple[str, str, str | None]:
         """(decode path, prefill path, why either is not the fast one or None) for a model's cache (the
         fast paths of a quantized cache assume bf16 queries, as a model with such a cache runs)."""
@@ -180,17 +190,23 @@ class CpuPagedAttention(TorchAttention):
             decode = f"C++ AVX2 + FMA{label} ({shape})"
         else:
             decode = f"C++ portable loop{label}"
-        prefill = f"C++ AVX-512 BF16 flash{label} ({shape})" if fast_prefill else "torch SDPA"
+        avx2_prefill = bool(self._kernel.prefill_avx2_path(fast, num_heads, kvh, head_dim, block_size))
+        if fast_prefill:
+            prefill = f"C++ AVX-512 BF16 flash{label} ({shape})"
+        elif avx2_prefill:
+            prefill = f"C++ AVX2 + FMA flash{label} ({shape})"
+        else:
+            prefill = "torch SDPA"
         if self._kernel.prefill_amx_fast_path(k_cache.dtype == torch.bfloat16, num_heads, kvh, head_dim, block_size):
             prefill += " or on AMX BF16 tiles"
         why = None
-        if not (fast_decode and fast_prefill):
-            if not self._kernel.decode_fast_path(True, 9, 3, 64):
-                why = "this CPU or compiler has no AVX-512 BF16" + (
-                    " (decode runs its AVX2 kernel, prefill torch's SDPA)" if avx2_decode else "")
+        if not ((fast_decode or avx2_decode) and (fast_prefill or avx2_prefill)):
+            k = self._kernel
+            if not (k.decode_fast_path(True, 9, 3, 64) or k.decode_avx2_path(9, 3, 64)):
+                why = "this CPU or compiler has neither AVX-512 BF16 nor AVX2 + FMA"
             elif not fast:
                 why = f"the cache is {k_cache.dtype}, the fast kernels read bf16, int8 and fp8 e4m3"
-            elif not fast_decode:
+            elif not (k.decode_fast_path(True, num_heads, kvh, head_dim) or k.decode_avx2_path(num_heads, kvh, head_dim)):
                 why = f"{shape} is outside the fast kernels' head_dim 64/128 and 1-8 heads per kv head"
             else:
                 why = f"block size {block_size} is not a multiple of 16"
@@ -406,7 +422,7 @@ def measure_attention(
                 return [("prefill", lambda: attn._kernel.paged_prefill_amx(
                     q, cache.k, cache.v, table, meta.prefill_query_starts, meta.prefill_query_lens,
                     meta.prefill_context_lens, scale, out))]
-            if not attn._kernel.prefill_fast_path(fast_dtypes, num_heads, kvh, d, bs):
+            if not attn.has_cpp_prefill(fast_dtypes, num_heads, kvh, d, bs):
                 return []  # declined: the reference would run
             return [("prefill", lambda: attn._kernel.paged_prefill(
                 q, cache.k, cache.v, table, meta.prefill_query_starts, meta.prefill_query_lens,

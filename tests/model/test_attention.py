@@ -3,6 +3,8 @@ with paged context, a fresh prompt, a chunk with cached context) in float32 and 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -201,19 +203,22 @@ def test_cpu_paged_decode_isa_errors(cpu_paged):
         cpu_paged._kernel.paged_decode(*args, isa="avx2")
 
 
-@pytest.mark.parametrize("kernel", ["avx512", "amx"])
+@pytest.mark.parametrize("kernel", ["avx512", "avx2", "amx"])
 @pytest.mark.parametrize("bs", [16, 32])
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 def test_cpu_paged_prefill_kernel(cpu_paged, shape, bs, kernel):
-    """The C++ prefill kernels (AVX-512, and AMX tiles where the CPU has them): fresh prompts and chunks
-    with cached context (prefix hits, chunked prefill), lengths off the 16-row tiles and 32-key steps,
-    queries attending causally through scattered blocks whose unused rows hold NaN; against naive
-    attention, all sequences in one call, other rows of `out` untouched."""
+    """The C++ prefill kernels (AVX-512, AVX2 + FMA, and AMX tiles where the CPU has them): fresh prompts
+    and chunks with cached context (prefix hits, chunked prefill), lengths off the 8- and 16-row tiles and
+    16- and 32-key steps, queries attending causally through scattered blocks whose unused rows hold NaN;
+    against naive attention, all sequences in one call, other rows of `out` untouched."""
     g = torch.Generator().manual_seed(2)
     (H, KVH, D), nblocks = shape, 2048 // bs
-    if kernel == "amx" and not cpu_paged._kernel.prefill_amx_fast_path(True, H, KVH, D, bs):
+    k = cpu_paged._kernel
+    if kernel == "amx" and not k.prefill_amx_fast_path(True, H, KVH, D, bs):
         pytest.skip("no AMX on this CPU (or in this build)")
-    run = cpu_paged._kernel.paged_prefill_amx if kernel == "amx" else cpu_paged._kernel.paged_prefill
+    if kernel == "avx2" and not k.prefill_avx2_path(True, H, KVH, D, bs):
+        pytest.skip("no AVX2 + FMA in this build")
+    run = k.paged_prefill_amx if kernel == "amx" else functools.partial(k.paged_prefill, isa=kernel)
     k_cache = torch.full((KVH, nblocks, bs, D), float("nan")).bfloat16()
     v_cache = torch.full((KVH, nblocks, bs, D), float("nan")).bfloat16()
     perm = torch.randperm(nblocks, generator=g).tolist()
@@ -234,6 +239,7 @@ def test_cpu_paged_prefill_kernel(cpu_paged, shape, bs, kernel):
     lens = torch.tensor([n for _, n in shapes])
     ctx = torch.tensor([c + n for c, n in shapes])
     if not run(q, k_cache, v_cache, table, starts, lens, ctx, D**-0.5, out):
+        assert kernel == "avx512" and not k.prefill_fast_path(True, H, KVH, D, bs)
         pytest.skip("no AVX-512 BF16 prefill kernel in this build")
     assert torch.all(out[:pad] == 7.0)
     for i, ((c, n), t) in enumerate(zip(shapes, tables)):

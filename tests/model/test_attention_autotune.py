@@ -117,8 +117,9 @@ class Forbid:
 @pytest.mark.parametrize("decode,prefill", list(itertools.product(cp.DECODE_KERNELS, cp.PREFILL_KERNELS)))
 def test_every_choice_matches_the_reference(kernel_ok, kv_dtype, decode, prefill):
     attn = CpuPagedAttention(AttentionPlan(decode=decode, prefill=(prefill,)))
-    if prefill in ("cpp", "amx") and not attn._kernel.prefill_fast_path(True, 9, 3, 64, 16):
-        pytest.skip("no AVX-512 BF16 prefill kernel in this build")
+    k = attn._kernel
+    if prefill in ("cpp", "amx") and not (k.prefill_fast_path(True, 9, 3, 64, 16) or k.prefill_avx2_path(True, 9, 3, 64, 16)):
+        pytest.skip("no C++ prefill kernel (AVX-512 BF16 or AVX2 + FMA) in this build")
     amx = attn._kernel.prefill_amx_fast_path(True, 9, 3, 64, 16)
     if prefill == "amx" and kv_dtype == "bfloat16" and not amx:
         pytest.skip("no AMX on this CPU")
@@ -136,8 +137,9 @@ def test_every_choice_matches_the_reference(kernel_ok, kv_dtype, decode, prefill
 def test_real_measurement_gives_a_complete_table(kernel_ok):
     """Smoke: the real timing runs both kernels of each phase at small sizes and fills every cell."""
     attn = CpuPagedAttention()
-    if not attn._kernel.prefill_fast_path(True, 9, 3, 64, 16):
-        pytest.skip("no AVX-512 BF16 kernels in this build")
+    k = attn._kernel
+    if not (k.prefill_fast_path(True, 9, 3, 64, 16) or k.prefill_avx2_path(True, 9, 3, 64, 16)):
+        pytest.skip("no C++ prefill kernel (AVX-512 BF16 or AVX2 + FMA) in this build")
     d, p = cp.measure_attention(attn, like_cache(), 9, torch.bfloat16, decode_batches=(1, 4), context=64,
                                 prefill_lens=(16, 48), repeats=1)
     assert d.buckets == (1, 4) and p.buckets == (16, 48)

@@ -90,19 +90,21 @@ def test_supported_kv_dtypes_and_paths(cpu_paged):
     assert all(cpu_paged.supports_kv_dtype(d) for d in ("bfloat16", "float32", "int8", "fp8_e4m3", "int4"))
     assert not cpu_paged.supports_kv_dtype("float16")  # (int4: decode in C++, tests/model/test_kv_int4.py)
     g = torch.Generator().manual_seed(0)
-    if not cpu_paged._kernel.decode_fast_path(True, 9, 3, 64):
-        if not cpu_paged._kernel.decode_avx2_path(9, 3, 64):
-            pytest.skip("neither AVX-512 BF16 nor AVX2 kernels in this build")
-        for kv_dtype, label in (("int8", "int8 KV"), ("fp8_e4m3", "fp8 e4m3 KV")):
-            decode, prefill, why = cpu_paged.kernel_paths(quantized_cache(3, 4, 16, 64, kv_dtype, g), 9)
-            assert decode == f"C++ AVX2 + FMA, {label} (head_dim 64, 3 query heads per kv head)"
-            assert prefill == "torch SDPA" and why is not None and "no AVX-512 BF16" in why
-        return
+    k = cpu_paged._kernel
+    if k.decode_fast_path(True, 9, 3, 64):
+        isa = "AVX-512 BF16"
+    elif k.decode_avx2_path(9, 3, 64):
+        isa = "AVX2 + FMA"
+    else:
+        pytest.skip("neither AVX-512 BF16 nor AVX2 kernels in this build")
     for kv_dtype, label in (("int8", "int8 KV"), ("fp8_e4m3", "fp8 e4m3 KV")):
         decode, prefill, why = cpu_paged.kernel_paths(quantized_cache(3, 4, 16, 64, kv_dtype, g), 9)
-        assert why is None and f"AVX-512 BF16, {label} (head_dim 64" in decode and label in prefill
+        assert why is None and decode == f"C++ {isa}, {label} (head_dim 64, 3 query heads per kv head)"
+        assert prefill.startswith(f"C++ {isa} flash, {label} (head_dim 64, 3 query heads per kv head)")
         decode, _, why = cpu_paged.kernel_paths(quantized_cache(2, 4, 16, 64, kv_dtype, g), 18)
         assert decode == f"C++ portable loop, {label}" and why is not None and "outside the fast kernels" in why
+        _, prefill, why = cpu_paged.kernel_paths(quantized_cache(3, 4, 8, 64, kv_dtype, g), 9)
+        assert prefill == "torch SDPA" and why is not None and "not a multiple of 16" in why
 
 
 @pytest.mark.parametrize("isa", ["auto", "avx2"])
@@ -208,9 +210,10 @@ def prefill_case(H: int, KVH: int, D: int, kv_dtype: str, g: torch.Generator):  
     return cache, shapes, tables, table
 
 
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
 @pytest.mark.parametrize("shape", SHAPES[:5], ids=SHAPE_IDS[:5])
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_prefill_reads_quantized_cache(cpu_paged, kv_dtype, shape):
+def test_prefill_reads_quantized_cache(cpu_paged, kv_dtype, shape, isa):
     """Fresh prompts and chunks after cached context (prefix hits, chunked prefill), lengths off the
     16-row tiles, all in one call from strided query rows; rows of `out` outside the prefills untouched."""
     g = torch.Generator().manual_seed(2)
@@ -225,10 +228,10 @@ def test_prefill_reads_quantized_cache(cpu_paged, kv_dtype, shape):
     lens = torch.tensor([n for _, n in shapes])
     ctx = torch.tensor([c + n for c, n in shapes])
     ran = cpu_paged._kernel.paged_prefill(
-        q, cache.k, cache.v, table, starts, lens, ctx, D**-0.5, out, cache.k_scale, cache.v_scale
+        q, cache.k, cache.v, table, starts, lens, ctx, D**-0.5, out, cache.k_scale, cache.v_scale, isa=isa
     )
     if not ran:
-        pytest.skip("no AVX-512 BF16 prefill kernel in this build")
+        pytest.skip(f"no {isa} prefill kernel in this build")
     assert torch.all(out[:pad] == 7.0)
     k, v = dequantized(cache)
     for i, ((c, n), t) in enumerate(zip(shapes, tables)):
@@ -308,8 +311,9 @@ def test_mixed_step_through_forward(cpu_paged, kv_dtype, shape):
     """The new rows are quantized into the cache, then every query attends to its whole context read back
     from it (the C++ prefill kernel here), as the reference attends over the same dequantized rows."""
     H, KVH, D = shape
-    if not cpu_paged._kernel.prefill_fast_path(True, H, KVH, D, 16):
-        pytest.skip("no AVX-512 BF16 prefill kernel in this build (the fallback is the reference's)")
+    k = cpu_paged._kernel
+    if not (k.prefill_fast_path(True, H, KVH, D, 16) or k.prefill_avx2_path(True, H, KVH, D, 16)):
+        pytest.skip("no C++ prefill kernel in this build (the fallback is the reference's)")
     out, refs = mixed_step(cpu_paged, kv_dtype, shape, 16, torch.bfloat16)
     for s, n, ref in refs:
         torch.testing.assert_close(out[s : s + n].float(), ref, atol=2e-2, rtol=2e-2)
@@ -325,7 +329,9 @@ def test_prefill_fallback_on_quantized_cache(cpu_paged, kv_dtype, bs, q_dtype, t
     from the quantized cache, the chunk's cached context gathered and dequantized. Both equal float32
     attention over the dequantized rows."""
     H, KVH, D = 9, 3, 64
-    assert not cpu_paged._kernel.prefill_fast_path(q_dtype == torch.bfloat16, H, KVH, D, bs)
+    k = cpu_paged._kernel
+    assert not k.prefill_fast_path(q_dtype == torch.bfloat16, H, KVH, D, bs)
+    assert not k.prefill_avx2_path(q_dtype == torch.bfloat16, H, KVH, D, bs)
     out, refs = mixed_step(cpu_paged, kv_dtype, (H, KVH, D), bs, q_dtype)
     assert out.dtype == q_dtype
     for s, n, ref in refs:

@@ -28,9 +28,17 @@ def cpu_paged():
         backend = get_attention_backend("cpu-paged")
     except Exception as e:  # no compiler here
         pytest.skip(f"cpu-paged unavailable: {e}")
-    if not backend._kernel.decode_fast_path(True, 9, 3, 64):
-        pytest.skip("no AVX-512 BF16 kernels in this build")
+    if fast_isa(backend) is None:
+        pytest.skip("neither AVX-512 BF16 nor AVX2 + FMA kernels in this build")
     return backend
+
+
+def fast_isa(backend) -> str | None:  # type: ignore[no-untyped-def]
+    """How the start log names the fast kernels this build has (AVX-512 BF16 first, else AVX2 + FMA)."""
+    k = backend._kernel
+    if k.decode_fast_path(True, 9, 3, 64):
+        return "AVX-512 BF16"
+    return "AVX2 + FMA" if k.decode_avx2_path(9, 3, 64) else None
 
 
 def start_log(caplog, cfg: ModelConfig, **kw) -> list[logging.LogRecord]:
@@ -43,10 +51,13 @@ def start_log(caplog, cfg: ModelConfig, **kw) -> list[logging.LogRecord]:
 
 
 def test_start_log_names_the_fast_kernels(caplog, cpu_paged):
+    """The start log names the kernels this CPU runs (AVX-512 BF16, or AVX2 + FMA on AMD EPYC Zen 3 hosts)
+    for decode and prefill, with no WARNING."""
+    isa = fast_isa(cpu_paged)
     records = start_log(caplog, qwen_like(64))
     text = "\n".join(r.getMessage() for r in records)
-    assert "attention cpu-paged: decode C++ AVX-512 BF16 (head_dim 64, 7 query heads per kv head)" in text
-    assert "prefill C++ AVX-512 BF16 flash" in text
+    assert f"attention cpu-paged: decode C++ {isa} (head_dim 64, 7 query heads per kv head)" in text
+    assert f"prefill C++ {isa} flash (head_dim 64, 7 query heads per kv head)" in text
     assert "bf16 linear kernels by row count" in text and "fused CPU ops:" in text
     assert not [r for r in records if r.levelno >= logging.WARNING and "attention" in r.getMessage()]
 
@@ -88,21 +99,3 @@ def test_fast_kernels_match_the_reference_on_qwen_shapes(cpu_paged, head_dim):
                 # which the two continuations are different sequences.
                 assert got_ids[i] in lp_ref and lp_ref[got_ids[i]] == pytest.approx(lp_ref[ref_ids[i]], abs=0.05)
                 break
-
-
-def test_start_log_names_the_avx2_decode_without_avx512(caplog):
-    """On a CPU without AVX-512 BF16 (AMD EPYC Zen 3 hosts) the log names the AVX2 decode kernel, and the
-    WARNING says prefill is torch's SDPA there."""
-    from pdserve.attention import get_attention_backend
-
-    try:
-        kernel = get_attention_backend("cpu-paged")._kernel
-    except Exception as e:  # no compiler here
-        pytest.skip(f"cpu-paged unavailable: {e}")
-    if kernel.decode_fast_path(True, 9, 3, 64) or not kernel.decode_avx2_path(9, 3, 64):
-        pytest.skip("this build has AVX-512 BF16 kernels, or no AVX2 one")
-    records = start_log(caplog, qwen_like(64))
-    warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING and "attention" in r.getMessage()]
-    assert len(warnings) == 1, warnings
-    assert "decode C++ AVX2 + FMA (head_dim 64, 7 query heads per kv head), prefill torch SDPA" in warnings[0]
-    assert "no AVX-512 BF16 (decode runs its AVX2 kernel, prefill torch's SDPA)" in warnings[0]

@@ -131,6 +131,20 @@ void for_each_item(const int64_t* ctx, int64_t B, int64_t KVH, const F& fn) {
   for_each_item_ranged(ctx, B, KVH, [&](int64_t i, bool, bool) { fn(i); });
 }
 
+// Shared by the prefill flash kernels (bf16/int8/fp8 and int4; AVX-512, AMX, AVX2). The work items:
+// (sequence, kv head, tile of `tile` query rows), each costed by the keys it reads.
+struct PrefillTile { int64_t p, h, r0; };
+constexpr int64_t kQueryTile = 16;
+inline void prefill_tiles(int64_t P, int64_t KVH, const int64_t* q_len, const int64_t* ctx,
+                          std::vector<PrefillTile>& items, std::vector<int64_t>& costs, int64_t tile = kQueryTile) {
+  for (int64_t p = 0; p < P; ++p)
+    for (int64_t h = 0; h < KVH; ++h)
+      for (int64_t r0 = 0; r0 < q_len[p]; r0 += tile) {
+        items.push_back({p, h, r0});
+        costs.push_back(ctx[p] - q_len[p] + std::min(r0 + tile, q_len[p]) + 64);  // keys the tile reads
+      }
+}
+
 // The lines of a list of cache blocks, prefetched into L2 a few at a time while the kernel computes on
 // other rows: pace(done, total) issues prefetches until the share issued reaches done / total, so the
 // reads are spread evenly over the compute they hide under (a burst of a block's worth stalls on the
@@ -325,6 +339,12 @@ void with_shape(int64_t G, int64_t D, const F& f) {
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PDSERVE_HAVE_AVX2 1
+
+// A span of memory into L1 (the next chunk of a prefill tile's keys).
+inline void prefetch_rows(const void* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T0);
+}
+
 
 // Decode for CPUs with AVX2 + FMA and no AVX-512 (AMD EPYC Zen 2/3 among the hosts of this machine kind),
 // bf16 queries and a bf16, int8 or fp8 e4m3 cache, the fast shapes above. No bf16 dot product here, so a
@@ -536,6 +556,22 @@ inline void store_bf16x16(at::BFloat16* out, __m256 e, __m256 o) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), packed);
 }
 
+// An 8 x 8 block of floats transposed in registers: lane j of r[i] becomes lane i of r[j].
+inline void transpose8(__m256* r) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20), r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20), r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31), r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31), r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
 }  // namespace avx2
 
 // head_dim D, G query heads per kv head, on AVX2 + FMA, a bf16, int8 or fp8 e4m3 cache (R above): scores
@@ -663,6 +699,153 @@ void decode_avx2(const at::BFloat16* q, const typename R::T* k_cache, const type
     }
   });
 }
+// Causal prefill attention on AVX2 + FMA: prefill_avx512's inputs, outputs, causal positions and work
+// items, in tiles of 8 query rows (the lanes of a vector), for a bf16, int8 or fp8 e4m3 cache (R above),
+// head_dim 64 or 128, G heads per kv head, blocks of a multiple of 16 tokens. Flash-style, 16 keys at a
+// time: the chunk's K and V rows are widened to float once into L1 for the tile's G heads, split as
+// decode_avx2 splits them (each 16-dim slice's 8 even dims, then its 8 odd ones: q.k does not care,
+// and the output is interleaved back once per tile); a key's scores for the 8 rows are one chain of FMAs
+// over the dims, each K element broadcast against the tile's queries stored dims x rows; the online
+// softmax is lane-wise (no horizontal max or sum); p.v broadcasts each V element against its key's 8
+// probabilities into accumulators [head][dim][row] in L1, transposed back to rows at the tile's end.
+// Everything stays fp32 (p is not rounded to bf16 as prefill_avx512 rounds it). A quantized cache as
+// prefill_avx512: scores times the K scales (plus int8's m_t sum(q)), probabilities times the V scales,
+// int8's sum_t p_t m_t kept beside the accumulators and added to every dim before the division by l.
+template <int D, int G, typename R>
+void prefill_avx2(const at::BFloat16* q, const typename R::T* k_cache, const typename R::T* v_cache,
+                  const float* k_scale, const float* v_scale, const int64_t* tables, int64_t max_blocks,
+                  const int64_t* q_start, const int64_t* q_len, const int64_t* ctx, int64_t P, at::BFloat16* out,
+                  int64_t H, int64_t KVH, int64_t NB, int64_t BS, float scale, int64_t q_row, int64_t out_row) {
+  using T = typename R::T;
+  constexpr int64_t QT = 8, KC = 16;  // query rows per tile, keys per chunk
+  constexpr int64_t chunk_bytes = KC * D * static_cast<int64_t>(sizeof(T));
+  constexpr float kLog2e = 1.44269504088896341f;
+  std::vector<PrefillTile> items;
+  std::vector<int64_t> costs;
+  prefill_tiles(P, KVH, q_len, ctx, items, costs, QT);
+  const __m256 scale2 = _mm256_set1_ps(scale * kLog2e);  // scores in log2 units: exp2 below
+  const __m256 neg_big = _mm256_set1_ps(-1e30f);  // finite: -ffast-math assumes no infinities
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for_each_costed(costs, [&](int64_t it) {
+    const PrefillTile& item = items[it];
+    const int64_t p = item.p, h = item.h, r0 = item.r0;
+    const int64_t rows = std::min(QT, q_len[p] - r0), first_pos = ctx[p] - q_len[p] + r0;
+    const int64_t* blocks = tables + p * max_blocks;
+    const T* kh = k_cache + h * NB * BS * D;
+    const T* vh = v_cache + h * NB * BS * D;
+    const float* ksh = R::kQuantized ? k_scale + h * NB * BS : nullptr;
+    const float* vsh = R::kQuantized ? v_scale + h * NB * BS : nullptr;
+    alignas(32) float qt[G][D][QT];          // the tile's queries, split dims x rows
+    alignas(32) float acc[G][D][QT];         // p.v sums, split dims x rows
+    alignas(32) float kf[KC][D], vf[KC][D];  // the chunk's K and V rows as float, split
+    alignas(32) float pt[KC][QT];            // one head's scores, then probabilities, keys x rows
+    float kmul[KC], kzero[KC], vmul[KC], vzero[KC];  // per key: K scale x softmax scale (log2 units), m x the same; V's
+    __m256 m[G], l[G], qsum[G], zacc[G];     // per row: running max, sum; int8: sum_d q_d, sum_t p_t m_t
+    const at::BFloat16* q0 = q + (q_start[p] + r0) * q_row + h * G * D;
+    for (int g = 0; g < G; ++g) {
+      for (int c = 0; c < D / 16; ++c) {  // 8 rows' slices split, then transposed (rows past `rows`: zero)
+        __m256 e[QT], o[QT];
+        for (int i = 0; i < QT; ++i) {
+          if (i < rows) avx2::split_bf16x16(q0 + i * q_row + g * D + 16 * c, e[i], o[i]);
+          else e[i] = o[i] = _mm256_setzero_ps();
+        }
+        avx2::transpose8(e), avx2::transpose8(o);
+        for (int j = 0; j < 8; ++j) _mm256_store_ps(qt[g][16 * c + j], e[j]), _mm256_store_ps(qt[g][16 * c + 8 + j], o[j]);
+      }
+      __m256 sum = _mm256_setzero_ps();
+      for (int d = 0; d < D; ++d) _mm256_store_ps(acc[g][d], _mm256_setzero_ps()), sum = _mm256_add_ps(sum, _mm256_load_ps(qt[g][d]));
+      m[g] = neg_big, l[g] = zacc[g] = _mm256_setzero_ps(), qsum[g] = sum;
+    }
+    // Positions of the tile's rows; lanes past the last row repeat it (computed, never stored).
+    const __m256i pos = _mm256_min_epi32(_mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(first_pos)), lane),
+                                         _mm256_set1_epi32(static_cast<int32_t>(first_pos + rows - 1)));
+    const int64_t num_keys = first_pos + rows;  // the last row attends this many keys
+    for (int64_t j0 = 0; j0 < num_keys; j0 += KC) {
+      const int64_t row0 = blocks[j0 / BS] * BS + j0 % BS;  // the chunk's first row (one block: BS % 16 == 0)
+      const int64_t nk = std::min<int64_t>(KC, num_keys - j0);
+      if (j0 + KC < num_keys) {
+        const int64_t next = blocks[(j0 + KC) / BS] * BS + (j0 + KC) % BS;
+        prefetch_rows(kh + next * D, chunk_bytes);
+        prefetch_rows(vh + next * D, chunk_bytes);
+        if constexpr (R::kQuantized) prefetch_rows(ksh + next, 64), prefetch_rows(vsh + next, 64);
+      }
+      for (int64_t t = 0; t < KC; ++t)  // keys past nk: zero rows (theirs may hold anything)
+        for (int c = 0; c < D / 16; ++c) {
+          __m256 ke = _mm256_setzero_ps(), ko = ke, ve = ke, vo = ke;
+          if (t < nk) R::split16(kh + (row0 + t) * D + 16 * c, ke, ko), R::split16(vh + (row0 + t) * D + 16 * c, ve, vo);
+          _mm256_store_ps(kf[t] + 16 * c, ke), _mm256_store_ps(kf[t] + 16 * c + 8, ko);
+          _mm256_store_ps(vf[t] + 16 * c, ve), _mm256_store_ps(vf[t] + 16 * c + 8, vo);
+        }
+      if constexpr (R::kQuantized)
+        for (int64_t t = 0; t < KC; ++t) {
+          float ks = 0.f, km = 0.f, vs = 0.f, vm = 0.f;
+          if (t < nk) R::params1(ksh + row0 + t, ks, km), R::params1(vsh + row0 + t, vs, vm);
+          kmul[t] = ks * scale * kLog2e, kzero[t] = km * scale * kLog2e, vmul[t] = vs, vzero[t] = vm;
+        }
+      const bool causal = j0 + KC - 1 > first_pos;  // some key of this chunk lies past some row's position
+      for (int g = 0; g < G; ++g) {
+        for (int64_t t0 = 0; t0 < KC; t0 += 8) {  // scores of 8 keys: 8 chains over the dims
+          __m256 a[8];
+          for (int t = 0; t < 8; ++t) a[t] = _mm256_setzero_ps();
+          for (int d = 0; d < D; ++d) {
+            const __m256 qv = _mm256_load_ps(qt[g][d]);
+            for (int t = 0; t < 8; ++t) a[t] = _mm256_fmadd_ps(qv, _mm256_broadcast_ss(kf[t0 + t] + d), a[t]);
+          }
+          for (int t = 0; t < 8; ++t) _mm256_store_ps(pt[t0 + t], a[t]);
+        }
+        __m256 mx = neg_big;
+        for (int64_t t = 0; t < KC; ++t) {
+          __m256 s = _mm256_load_ps(pt[t]);
+          if constexpr (R::kZero)
+            s = _mm256_fmadd_ps(s, _mm256_set1_ps(kmul[t]), _mm256_mul_ps(qsum[g], _mm256_set1_ps(kzero[t])));
+          else
+            s = _mm256_mul_ps(s, R::kQuantized ? _mm256_set1_ps(kmul[t]) : scale2);
+          if (causal)  // key j0 + t past a row's position
+            s = _mm256_blendv_ps(s, neg_big, _mm256_castsi256_ps(
+                _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(j0 + t)), pos)));
+          _mm256_store_ps(pt[t], s);
+          mx = _mm256_max_ps(mx, s);
+        }
+        const __m256 m_new = _mm256_max_ps(m[g], mx);
+        const __m256 alpha = avx2::exp2_ps(_mm256_sub_ps(m[g], m_new));
+        m[g] = m_new;
+        __m256 sum = _mm256_setzero_ps(), z = _mm256_mul_ps(zacc[g], alpha);
+        for (int64_t t = 0; t < KC; ++t) {
+          __m256 e = avx2::exp2_ps(_mm256_sub_ps(_mm256_load_ps(pt[t]), m_new));
+          sum = _mm256_add_ps(sum, e);
+          if constexpr (R::kZero) z = _mm256_fmadd_ps(e, _mm256_set1_ps(vzero[t]), z);
+          if constexpr (R::kQuantized) e = _mm256_mul_ps(e, _mm256_set1_ps(vmul[t]));
+          _mm256_store_ps(pt[t], e);
+        }
+        l[g] = _mm256_fmadd_ps(l[g], alpha, sum);
+        zacc[g] = z;
+        for (int dc = 0; dc < D; dc += 8) {  // p.v, 8 dims at a time
+          __m256 a[8];
+          for (int k = 0; k < 8; ++k) a[k] = _mm256_mul_ps(_mm256_load_ps(acc[g][dc + k]), alpha);
+          for (int64_t t = 0; t < nk; ++t) {
+            const __m256 pv = _mm256_load_ps(pt[t]);
+            for (int k = 0; k < 8; ++k) a[k] = _mm256_fmadd_ps(pv, _mm256_broadcast_ss(vf[t] + dc + k), a[k]);
+          }
+          for (int k = 0; k < 8; ++k) _mm256_store_ps(acc[g][dc + k], a[k]);
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g) {  // each row's (acc + int8's zacc) / l, transposed back to rows, as bf16
+      const __m256 inv = _mm256_div_ps(_mm256_set1_ps(1.f), l[g]);
+      const __m256 z = R::kZero ? zacc[g] : _mm256_setzero_ps();
+      for (int c = 0; c < D / 16; ++c) {
+        __m256 e[8], o[8];
+        for (int j = 0; j < 8; ++j) {
+          e[j] = _mm256_mul_ps(_mm256_add_ps(_mm256_load_ps(acc[g][16 * c + j]), z), inv);
+          o[j] = _mm256_mul_ps(_mm256_add_ps(_mm256_load_ps(acc[g][16 * c + 8 + j]), z), inv);
+        }
+        avx2::transpose8(e), avx2::transpose8(o);
+        for (int64_t i = 0; i < rows; ++i)
+          avx2::store_bf16x16(out + (q_start[p] + r0 + i) * out_row + (h * G + g) * D + 16 * c, e[i], o[i]);
+      }
+    }
+  });
+}
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -738,10 +921,6 @@ inline void softmax_avx512(float* s, int64_t L) {
   const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
   for (t = 0; t < full; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inv));
   if (tail) _mm512_mask_storeu_ps(s + full, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + full), inv));
-}
-
-inline void prefetch_rows(const void* p, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T0);
 }
 
 // Stores 16 floats as bf16, rounding to nearest even as torch does.
@@ -1115,20 +1294,6 @@ void decode_avx512(const at::BFloat16* q, const typename R::T* k_cache, const ty
       }
     }
   });
-}
-
-// Shared by the prefill flash kernels (bf16/int8/fp8 and int4). The work items: (sequence, kv head,
-// tile of 16 query rows), each costed by the keys it reads.
-struct PrefillTile { int64_t p, h, r0; };
-constexpr int64_t kQueryTile = 16;
-inline void prefill_tiles(int64_t P, int64_t KVH, const int64_t* q_len, const int64_t* ctx,
-                          std::vector<PrefillTile>& items, std::vector<int64_t>& costs) {
-  for (int64_t p = 0; p < P; ++p)
-    for (int64_t h = 0; h < KVH; ++h)
-      for (int64_t r0 = 0; r0 < q_len[p]; r0 += kQueryTile) {
-        items.push_back({p, h, r0});
-        costs.push_back(ctx[p] - q_len[p] + std::min(r0 + kQueryTile, q_len[p]) + 64);  // keys the tile reads
-      }
 }
 
 // Lane indices, and the permutes that interleave two keys' V rows by dim (vlo: dims 0..15, vhi: 16..31)
@@ -2102,6 +2267,12 @@ bool prefill_fast_path(bool bf16, int64_t H, int64_t KVH, int64_t D, int64_t BS)
   return decode_fast_path(bf16, H, KVH, D) && BS % 16 == 0;
 }
 
+// Whether paged_prefill has its AVX2 + FMA path (prefill_avx2) for these shapes: the one it takes where the
+// CPU has no AVX-512 BF16.
+bool prefill_avx2_path(bool bf16, int64_t H, int64_t KVH, int64_t D, int64_t BS) {
+  return bf16 && decode_avx2_path(H, KVH, D) && BS % 16 == 0;
+}
+
 // Whether paged_decode_int4 takes its AVX-512 path (bf16 queries and residual pool, blocks of a multiple
 // of 16 tokens); otherwise it runs the portable loop.
 bool decode_int4_fast_path(bool bf16, int64_t H, int64_t KVH, int64_t D, int64_t BS) {
@@ -2177,34 +2348,54 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 // sequences are left alone). q, out [T, H, D] bf16, heads and head_dim contiguous (rows may be strided:
 // q is a view into the fused QKV projection; the row stride even, as q is read in pairs of dims);
 // caches [KVH, NB, BS, D] bf16, int8 or fp8 e4m3 (with their scales) with BS a multiple of 16; tables
-// [P, max_blocks]; q_start, q_len, ctx [P] int64. Returns false (nothing done) when this build or these
-// shapes have no fast path: the caller then uses its own.
+// [P, max_blocks]; q_start, q_len, ctx [P] int64. isa: "auto" takes the AVX-512 BF16 kernel where this
+// build has it, else the AVX2 + FMA one; "avx512" / "avx2" only that one (tests, benchmarks). Returns false
+// (nothing done) when this build or these shapes have no such path: the caller then uses its own.
 bool paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
                    torch::Tensor q_start, torch::Tensor q_len, torch::Tensor ctx, double scale, torch::Tensor out,
-                   std::optional<torch::Tensor> k_scale, std::optional<torch::Tensor> v_scale) {
-#ifdef PDSERVE_HAVE_AVX512BF16
-  const auto [ks, vs] = cache_scales(k_cache, v_cache, k_scale, v_scale);
+                   std::optional<torch::Tensor> k_scale, std::optional<torch::Tensor> v_scale, const std::string& isa) {
+  TORCH_CHECK(isa == "auto" || isa == "avx512" || isa == "avx2", "isa must be auto, avx512 or avx2, not ", isa);
   const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(0), BS = k_cache.size(2);
   const auto rows_ok = [&](const torch::Tensor& t) { return t.stride(2) == 1 && t.stride(1) == D && t.stride(0) % 2 == 0; };
   const bool bf16 = q.scalar_type() == torch::kBFloat16 &&
                     (k_cache.scalar_type() == torch::kBFloat16 || is_quantized(k_cache));
-  if (!prefill_fast_path(bf16, H, KVH, D, BS) || out.scalar_type() != torch::kBFloat16 ||
-      !rows_ok(q) || !rows_ok(out) || !k_cache.is_contiguous() || !v_cache.is_contiguous())
+  const bool avx512 = isa != "avx2" && prefill_fast_path(bf16, H, KVH, D, BS);
+  const bool avx2 = !avx512 && isa != "avx512" && prefill_avx2_path(bf16, H, KVH, D, BS);
+  if (!(avx512 || avx2) || out.scalar_type() != torch::kBFloat16 || !rows_ok(q) || !rows_ok(out) ||
+      !k_cache.is_contiguous() || !v_cache.is_contiguous())
     return false;
+  const auto [ks, vs] = cache_scales(k_cache, v_cache, k_scale, v_scale);
   tables = tables.to(torch::kInt64).contiguous();
   q_start = q_start.to(torch::kInt64).contiguous();
   q_len = q_len.to(torch::kInt64).contiguous();
   ctx = ctx.to(torch::kInt64).contiguous();
-  with_rows(k_cache.scalar_type(), [&](auto rows) {
+  const auto args = [&](auto rows) {
+    using T = typename decltype(rows)::T;
+    return std::make_tuple(q.data_ptr<at::BFloat16>(), static_cast<const T*>(k_cache.data_ptr()),
+                           static_cast<const T*>(v_cache.data_ptr()), ks, vs, tables.data_ptr<int64_t>(), tables.size(1),
+                           q_start.data_ptr<int64_t>(), q_len.data_ptr<int64_t>(), ctx.data_ptr<int64_t>(),
+                           tables.size(0), out.data_ptr<at::BFloat16>(), H, KVH, k_cache.size(1), BS,
+                           static_cast<float>(scale), q.stride(0), out.stride(0));
+  };
+#ifdef PDSERVE_HAVE_AVX512BF16
+  if (avx512) {
+    with_rows(k_cache.scalar_type(), [&](auto rows) {
+      using R = decltype(rows);
+      with_shape(H / KVH, D, [&](auto d, auto g) { std::apply(prefill_avx512<decltype(d)::value, decltype(g)::value, R>, args(rows)); });
+    });
+    return true;
+  }
+#endif
+#ifdef PDSERVE_HAVE_AVX2
+  const auto run = [&](auto rows) {
     using R = decltype(rows);
-    using T = typename R::T;
-    auto args = std::make_tuple(q.data_ptr<at::BFloat16>(), static_cast<const T*>(k_cache.data_ptr()),
-                                static_cast<const T*>(v_cache.data_ptr()), ks, vs, tables.data_ptr<int64_t>(),
-                                tables.size(1), q_start.data_ptr<int64_t>(), q_len.data_ptr<int64_t>(),
-                                ctx.data_ptr<int64_t>(), tables.size(0), out.data_ptr<at::BFloat16>(), H, KVH,
-                                k_cache.size(1), BS, static_cast<float>(scale), q.stride(0), out.stride(0));
-    with_shape(H / KVH, D, [&](auto d, auto g) { std::apply(prefill_avx512<decltype(d)::value, decltype(g)::value, R>, args); });
-  });
+    with_shape(H / KVH, D, [&](auto d, auto g) { std::apply(prefill_avx2<decltype(d)::value, decltype(g)::value, R>, args(rows)); });
+  };
+  switch (k_cache.scalar_type()) {
+    case torch::kChar: run(avx2::Int8Rows2{}); break;
+    case torch::kFloat8_e4m3fn: run(avx2::Fp8Rows2{}); break;
+    default: run(avx2::Bf16Rows2{});
+  }
   return true;
 #else
   return false;
@@ -2443,7 +2634,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         no_scale("v_scale"), py::arg("isa") = "auto");
   m.def("paged_prefill", &paged_prefill, "paged causal prefill attention (CPU, bf16 queries)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"), py::arg("q_start"), py::arg("q_len"),
-        py::arg("ctx"), py::arg("scale"), py::arg("out"), no_scale("k_scale"), no_scale("v_scale"));
+        py::arg("ctx"), py::arg("scale"), py::arg("out"), no_scale("k_scale"), no_scale("v_scale"),
+        py::arg("isa") = "auto");
   m.def("write_kv", &write_kv, "new K/V rows into the paged caches by slot (quantized on the way for int8/fp8)",
         py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), no_scale("k_scale"),
         no_scale("v_scale"));
@@ -2453,7 +2645,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_avx2_path", &decode_avx2_path, "whether paged_decode has an AVX2 + FMA path for (H, KVH, D), bf16");
   m.def("decode_int4_fast_path", &decode_int4_fast_path,
         "whether paged_decode_int4 has an AVX-512 BF16 path for (bf16, H, KVH, D, BS)");
-  m.def("prefill_fast_path", &prefill_fast_path, "whether paged_prefill has a fast path for (bf16, H, KVH, D, BS)");
+  m.def("prefill_fast_path", &prefill_fast_path, "whether paged_prefill has an AVX-512 BF16 path for (bf16, H, KVH, D, BS)");
+  m.def("prefill_avx2_path", &prefill_avx2_path, "whether paged_prefill has an AVX2 + FMA path for (bf16, H, KVH, D, BS)");
   m.def("paged_prefill_amx", &paged_prefill_amx, "paged causal prefill attention on AMX BF16 tiles (CPU, bf16 cache)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"), py::arg("q_start"), py::arg("q_len"),
         py::arg("ctx"), py::arg("scale"), py::arg("out"));
