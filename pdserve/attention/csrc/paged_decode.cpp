@@ -438,6 +438,17 @@ struct Fp8Rows2 {
   static void params1(const float* slot, float& s, float& m) { s = *slot, m = 0.f; }
 };
 
+// f(rows) with the row reader (above) of a cache dtype: what the AVX2 kernels are templated on, as
+// with_rows picks the AVX-512 kernels' readers.
+template <typename F>
+void with_rows2(at::ScalarType dtype, const F& f) {
+  switch (dtype) {
+    case torch::kChar: f(Int8Rows2{}); break;
+    case torch::kFloat8_e4m3fn: f(Fp8Rows2{}); break;
+    default: f(Bf16Rows2{});
+  }
+}
+
 // 8 consecutive rows (k: the first, rows D apart) as float into kf [8][D], each 16-dim slice as its 8
 // even dims then its 8 odd ones: split once, then dotted with every query head of the group.
 template <int D, typename R>
@@ -2327,11 +2338,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                                   table.size(1), static_cast<float>(scale));
       with_shape(H / KVH, D, [&](auto d, auto g) { std::apply(decode_avx2<decltype(d)::value, decltype(g)::value, R>, args); });
     };
-    switch (k_cache.scalar_type()) {
-      case torch::kChar: run(avx2::Int8Rows2{}); break;
-      case torch::kFloat8_e4m3fn: run(avx2::Fp8Rows2{}); break;
-      default: run(avx2::Bf16Rows2{});
-    }
+    avx2::with_rows2(k_cache.scalar_type(), run);
     return out;
   }
 #endif
@@ -2391,11 +2398,7 @@ bool paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
     using R = decltype(rows);
     with_shape(H / KVH, D, [&](auto d, auto g) { std::apply(prefill_avx2<decltype(d)::value, decltype(g)::value, R>, args(rows)); });
   };
-  switch (k_cache.scalar_type()) {
-    case torch::kChar: run(avx2::Int8Rows2{}); break;
-    case torch::kFloat8_e4m3fn: run(avx2::Fp8Rows2{}); break;
-    default: run(avx2::Bf16Rows2{});
-  }
+  avx2::with_rows2(k_cache.scalar_type(), run);
   return true;
 #else
   return false;
