@@ -5,6 +5,7 @@ tests/model/test_linear_int8.py)."""
 
 from __future__ import annotations
 
+
 import pytest
 
 from pdserve import LLM, SamplingParams
@@ -52,15 +53,12 @@ def test_int8_greedy_follows_bf16():
 
 def test_w8a8_greedy_follows_bf16():
     """`--weight-dtype w8a8` with an int8 x int8 kernel (oneDNN's, or torch's without VNNI) pinned at every row count (so activations
-    are quantized everywhere, the worst case for accuracy): replies stay sane and follow bf16 at first."""
-    params = SamplingParams(temperature=0, max_tokens=32)
+    are quantized everywhere, the worst case for accuracy): replies stay sane, follow bf16 at first, and the first
+    reply token's top choices stay those of bf16."""
+    params = SamplingParams(temperature=0, max_tokens=32, logprobs=5)
     msgs = [[{"role": "user", "content": p}] for p in PROMPTS]
     outs = {}
     for wd, kernel in (("bfloat16", "pdserve"), ("w8a8", A8_KERNEL)):
-        # Attention pinned too (the C++ kernels, nothing timed): the first reply token of the France prompt
-        # is a near-tie under w8a8, and which prefill kernel the host's autotune picks (the AMX one sums in
-        # another order) flips it: "The capital of France is Paris" with the AVX-512 kernel, "L'Etoile, la
-        # Marseillaise, ..." with AMX tiles on host C (session 11).
         llm = LLM(weight_dtype=wd, linear_kernel=kernel, attention_backend="cpu-paged")
         outs[wd] = [o.outputs[0] for o in llm.chat(msgs, params, use_tqdm=False)]
         if wd == "w8a8":
@@ -70,8 +68,15 @@ def test_w8a8_greedy_follows_bf16():
         assert b.text.strip() and all(c.isprintable() or c.isspace() for c in b.text), b.text
         common.append(next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
                            min(len(a.token_ids), len(b.token_ids))))
+        # No assert on which word wins a near tie: the France reply's first token is one even in bf16
+        # ("The" 0.17 vs "L" 0.15 on host F'', session 24), and the summation order of whichever attention
+        # and GEMM kernels the host has flips it ("The capital of France is Paris" / "L'Etoile de France").
+        # What must hold: each one's first choice is among the other's top 3 (observed there: the top 3
+        # are the same three tokens for all six prompts, with w8a8 moving their probabilities by up to
+        # 0.16); a broken rescale puts unrelated tokens first.
+        top3 = [sorted(o.logprobs[0], key=o.logprobs[0].get, reverse=True)[:3] for o in (a, b)]
+        assert a.token_ids[0] in top3[1] and b.token_ids[0] in top3[0], (a.logprobs[0], b.logprobs[0])
     assert sum(common) / len(common) >= 4, common  # a broken rescale diverges at the first token
-    assert "Paris" in outs["w8a8"][0].text
 
 
 def test_cli_generate_with_int8_weights(capsys):
