@@ -381,7 +381,7 @@ inline float hsum(__m256 v) {
 // sum_t p_t m_t added to every output dim).
 struct Bf16Rows2 {
   using T = at::BFloat16;
-  static constexpr bool kQuantized = false, kZero = false;
+  static constexpr bool kQuantized = false, kZero = false, kIntDot = false;
   static void split16(const T* p, __m256& e, __m256& o) { split_bf16x16(p, e, o); }
   static void params8(const float*, __m256& s, __m256& m) { s = _mm256_set1_ps(1.f), m = _mm256_setzero_ps(); }
   static void params1(const float*, float& s, float& m) { s = 1.f, m = 0.f; }
@@ -395,7 +395,7 @@ inline __m128i deinterleave16(const void* p) {
 
 struct Int8Rows2 {
   using T = int8_t;
-  static constexpr bool kQuantized = true, kZero = true;
+  static constexpr bool kQuantized = true, kZero = true, kIntDot = true;  // integer q.k and p.v
   static void split16(const T* p, __m256& e, __m256& o) {
     const __m128i d = deinterleave16(p);
     e = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(d));
@@ -419,7 +419,7 @@ struct Int8Rows2 {
 
 struct Fp8Rows2 {
   using T = uint8_t;  // at::Float8_e4m3fn's bits
-  static constexpr bool kQuantized = true, kZero = false;
+  static constexpr bool kQuantized = true, kZero = false, kIntDot = false;
   // 8 e4m3 codes (the low 8 bytes of b) as float: a normal code's exponent rebiased (bias 7 -> 127) in
   // place with its 3 mantissa bits on top of float's 23, a subnormal (exponent 0) as m 2^-9, then the sign.
   static __m256 f32x8(__m128i b) {
@@ -483,6 +483,59 @@ inline float dot1(const float* qs, const typename R::T* k) {
     acc = _mm256_fmadd_ps(_mm256_load_ps(qs + 16 * c + 8), o, acc);
   }
   return hsum(acc);
+}
+
+// int8 K's q.k in integers, as decode_avx512 does it with VNNI: the scaled query heads qs rounded to int16
+// steps of max|q| / 32767 (unit[g] is one step; 15 bits, finer than the bf16 query's 8), each K row's
+// stored bytes widened to int16 once (one instruction per 16 values) and the exact products summed in
+// pairs by vpmaddwd: 16 multiply-adds per instruction where the float path's FMA does 8 and first needs
+// the row widened to float (two conversions per 8 values). No overflow: |q| <= 32767 and |c| <= 128
+// over at most 256 dims stay below 2^31. Where this runs, q.k is what bounds the kernel (each K row is
+// dotted with the G heads of its group), not the bytes.
+template <int D, int G>
+inline void queries_to_int16(const float (*qs)[D], int16_t (*q16)[D], float* unit) {  // qs: split as split_rows8
+  for (int g = 0; g < G; ++g) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 amax = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_load_ps(qs[g] + d)));
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    const float m = _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+    unit[g] = m / 32767.f;
+    const __m256 inv = _mm256_set1_ps(m > 0.f ? 32767.f / m : 0.f);
+    for (int d = 0; d < D; d += 16) {  // qs's slices hold 8 even dims, then 8 odd: back to dim order
+      const __m256 e = _mm256_load_ps(qs[g] + d), o = _mm256_load_ps(qs[g] + d + 8);
+      // unpack gives dims 0-3 | 8-11 and 4-7 | 12-15; packs takes 4 of each per 128-bit half: 0-7 | 8-15
+      const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_unpacklo_ps(e, o), inv));
+      const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_unpackhi_ps(e, o), inv));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(q16[g] + d), _mm256_packs_epi32(lo, hi));
+    }
+  }
+}
+
+// 8 consecutive int8 rows (k: the first, rows D apart) widened to int16 into kw [8][D], dims in order.
+template <int D>
+inline void widen_rows8(const int8_t* k, int16_t* kw) {
+  for (int r = 0; r < 8; ++r)
+    for (int c = 0; c < D / 16; ++c)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(kw + r * D + 16 * c),
+                         _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k + r * D + 16 * c))));
+}
+
+// The integer q.k of the 8 rows in kw for one int16 query head: lane r holds row r's, as float (exact
+// below 2^24, rounded to float's 24 bits above: as fine as the float path's sums).
+template <int D>
+inline __m256 int_dots8(const int16_t* q16, const int16_t* kw) {
+  __m256i qv[D / 16], acc[8];
+  for (int c = 0; c < D / 16; ++c) qv[c] = _mm256_load_si256(reinterpret_cast<const __m256i*>(q16 + 16 * c));
+  for (int r = 0; r < 8; ++r) {
+    acc[r] = _mm256_madd_epi16(qv[0], _mm256_load_si256(reinterpret_cast<const __m256i*>(kw + r * D)));
+    for (int c = 1; c < D / 16; ++c)
+      acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(qv[c], _mm256_load_si256(reinterpret_cast<const __m256i*>(kw + r * D + 16 * c))));
+  }
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[0], acc[1]), _mm256_hadd_epi32(acc[2], acc[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[4], acc[5]), _mm256_hadd_epi32(acc[6], acc[7]));
+  return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31)));
 }
 
 // 2^x for x <= ~0 as exp2_ps (AVX-512) does it, 2^n built in the exponent field; 0 below 2^-100.
@@ -554,17 +607,98 @@ inline void pv_block(float (*accm)[D], const float* p, int64_t stride, int64_t n
   if constexpr (G0 + GC < G) pv_block<D, G, R, G0 + GC>(accm, p, stride, n, v);
 }
 
-// 16 floats (8 even dims e, 8 odd dims o of one slice) as 16 bf16 in dim order, rounded to nearest even.
-inline void store_bf16x16(at::BFloat16* out, __m256 e, __m256 o) {
-  const __m256 lo = _mm256_unpacklo_ps(e, o), hi = _mm256_unpackhi_ps(e, o);
+// 16 floats (dims 0-7 in a, 8-15 in b) as 16 bf16, rounded to nearest even.
+inline void store_bf16x16_ordered(at::BFloat16* out, __m256 a, __m256 b) {
   const auto round = [](__m256 x) {
     const __m256i b = _mm256_castps_si256(x);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
     return _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
   };
-  const __m256i first = round(_mm256_permute2f128_ps(lo, hi, 0x20)), second = round(_mm256_permute2f128_ps(lo, hi, 0x31));
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(first, second), _MM_SHUFFLE(3, 1, 2, 0));
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(round(a), round(b)), _MM_SHUFFLE(3, 1, 2, 0));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), packed);
+}
+
+// 16 floats (8 even dims e, 8 odd dims o of one slice) as 16 bf16 in dim order, rounded to nearest even.
+inline void store_bf16x16(at::BFloat16* out, __m256 e, __m256 o) {
+  const __m256 lo = _mm256_unpacklo_ps(e, o), hi = _mm256_unpackhi_ps(e, o);
+  store_bf16x16_ordered(out, _mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
+// int8 V's p.v in integers too: per block (at most kPvRows rows at a time), each head's weights p_t
+// (already times the rows' V scales) rounded to int16 steps of a power of two (the largest weight at
+// 2^14 .. 2^15 steps: an exact step, so a one-token context reproduces its row exactly), two rows'
+// bytes interleaved and widened to int16 (dim d of row t, then of row t + 1), and vpmaddwd sums each
+// pair of products against the two weights broadcast as one int32: 16 multiply-adds per instruction
+// into int32 sums per dim, added to the float accumulators once per block. The weights' rounding
+// (at most 2^-15 of the block's largest) is finer than the int8 V it multiplies.
+constexpr int64_t kPvRows = 256;  // |w| <= 32767 times |c| <= 128, 256 rows: below 2^31
+// (w16 rows hold kPvRows + 16: 32-byte aligned, and room for an odd block's zero weight)
+
+template <int D, int G0, int GC>
+inline void int_pv_heads(float (*accm)[D], const int16_t (*w16)[kPvRows + 16], const float* unit, int64_t n, const int8_t* v) {
+  const int64_t pairs = (n + 1) / 2;
+  for (int c = 0; c < D / 16; ++c) {
+    __m256i lo[GC], hi[GC];  // dims 0-7 and 8-15 of the slice
+    for (int g = 0; g < GC; ++g) lo[g] = hi[g] = _mm256_setzero_si256();
+    for (int64_t i = 0; i < pairs; ++i) {
+      const int8_t* r0 = v + 2 * i * D + 16 * c;
+      const int8_t* r1 = 2 * i + 1 < n ? r0 + D : r0;  // an odd last row pairs with itself, weight 0
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r0));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r1));
+      const __m256i x = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(a, b)), y = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(a, b));
+      for (int g = 0; g < GC; ++g) {
+        int32_t pair;
+        std::memcpy(&pair, w16[G0 + g] + 2 * i, sizeof(pair));
+        const __m256i w = _mm256_set1_epi32(pair);
+        lo[g] = _mm256_add_epi32(lo[g], _mm256_madd_epi16(w, x));
+        hi[g] = _mm256_add_epi32(hi[g], _mm256_madd_epi16(w, y));
+      }
+    }
+    for (int g = 0; g < GC; ++g) {
+      const __m256 u = _mm256_set1_ps(unit[G0 + g]);
+      float* a = accm[G0 + g] + 16 * c;
+      _mm256_store_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[g]), u, _mm256_load_ps(a)));
+      _mm256_store_ps(a + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[g]), u, _mm256_load_ps(a + 8)));
+    }
+  }
+}
+template <int D, int G, int G0 = 0>
+inline void int_pv_chunks(float (*accm)[D], const int16_t (*w16)[kPvRows + 16], const float* unit, int64_t n, const int8_t* v) {
+  constexpr int kChunks = (G - G0 + 3) / 4, GC = (G - G0 + kChunks - 1) / kChunks;  // as pv_block
+  int_pv_heads<D, G0, GC>(accm, w16, unit, n, v);
+  if constexpr (G0 + GC < G) int_pv_chunks<D, G, G0 + GC>(accm, w16, unit, n, v);
+}
+
+// p.v over one block's n int8 rows (v: the first) for the G heads, accm [G][D] in dim order; p + g *
+// stride + t head g's weight of row t (with the row's V scale).
+template <int D, int G>
+inline void int_pv_block(float (*accm)[D], const float* p, int64_t stride, int64_t n, const int8_t* v) {
+  alignas(32) int16_t w16[G][kPvRows + 16];
+  float unit[G];
+  for (int64_t t0 = 0; t0 < n; t0 += kPvRows) {
+    const int64_t m = std::min(kPvRows, n - t0);
+    for (int g = 0; g < G; ++g) {
+      const float* pg = p + g * stride + t0;
+      float mx = 0.f;  // weights are >= 0
+      for (int64_t t = 0; t < m; ++t) mx = std::max(mx, pg[t]);
+      int e;
+      std::frexp(mx, &e);  // mx in [2^(e-1), 2^e): mx / 2^(e-15) in [2^14, 2^15)
+      const bool live = mx > 0.f && e > -100;  // a block of weights below 2^-100 adds nothing
+      unit[g] = live ? std::ldexp(1.f, e - 15) : 0.f;
+      const float step_inv = live ? std::ldexp(1.f, 15 - e) : 0.f;
+      const __m256 inv = _mm256_set1_ps(step_inv);
+      int64_t t = 0;
+      for (; t + 16 <= m; t += 16) {
+        const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(pg + t), inv));
+        const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(pg + t + 8), inv));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(w16[g] + t),
+                           _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), _MM_SHUFFLE(3, 1, 2, 0)));
+      }
+      for (; t < m; ++t) w16[g][t] = static_cast<int16_t>(std::min(32767.f, std::nearbyint(pg[t] * step_inv)));
+      w16[g][m] = 0;  // an odd block's last pair
+    }
+    int_pv_chunks<D, G>(accm, w16, unit, m, v + t0 * D);
+  }
 }
 
 // An 8 x 8 block of floats transposed in registers: lane j of r[i] becomes lane i of r[j].
@@ -587,8 +721,10 @@ inline void transpose8(__m256* r) {
 
 // head_dim D, G query heads per kv head, on AVX2 + FMA, a bf16, int8 or fp8 e4m3 cache (R above): scores
 // 8 rows at a time (one vector of 8 sums per head), the softmax 8 lanes at a time, p.v by 16-dim slices of
-// V (avx2::pv_block). Memory as decode_avx512: V (and a quantized cache's row parameters) prefetched into
-// L2 at the pace of the K pass, the thread's next item's K at the pace of p.v (L2Stream).
+// V (avx2::pv_block). An int8 cache (R::kIntDot) does both sides in integers: q.k by int_dots8, p.v by
+// int_pv_block (its accumulators in dim order). Memory as decode_avx512: V (and a quantized cache's row
+// parameters) prefetched into L2 at the pace of the K pass, the thread's next item's K at the pace of p.v
+// (L2Stream).
 template <int D, int G, typename R>
 void decode_avx2(const at::BFloat16* q, const typename R::T* k_cache, const typename R::T* v_cache, const float* k_scale,
                  const float* v_scale, const int64_t* table, const int64_t* ctx, at::BFloat16* out, int64_t B, int64_t H,
@@ -617,7 +753,9 @@ void decode_avx2(const at::BFloat16* q, const typename R::T* k_cache, const type
       if (R::kQuantized) params.pace(done, total);
     };
     start_streams(vh, vsh, blocks, L);
-    alignas(32) float qs[G][D], kf[8 * D];  // the query heads times scale, and 8 K rows, split (split_rows8)
+    alignas(32) float qs[G][D], kf[R::kIntDot ? 1 : 8 * D];  // the query heads times scale; 8 K rows, split (split_rows8)
+    alignas(32) int16_t q16[R::kIntDot ? G : 1][D], kw[R::kIntDot ? 8 * D : 1];  // int8: qs in int16 steps, 8 K rows
+    float q_unit[G];
     float q_sum[G] = {};  // int8: each scaled head's sum of its dims (the share of the rows' offsets m in q.k)
     for (int g = 0; g < G; ++g) {
       const at::BFloat16* qg = q + (b * H + h * G + g) * D;
@@ -632,6 +770,7 @@ void decode_avx2(const at::BFloat16* q, const typename R::T* k_cache, const type
       }
       if constexpr (R::kZero) q_sum[g] = avx2::hsum(sum);
     }
+    if constexpr (R::kIntDot) avx2::queries_to_int16<D, G>(qs, q16, q_unit);
     for (int64_t j = 0; j < nblocks; ++j) {
       const T* kb = kh + blocks[j] * BS * D;
       const float* ksb = R::kQuantized ? ksh + blocks[j] * BS : nullptr;
@@ -639,12 +778,15 @@ void decode_avx2(const at::BFloat16* q, const typename R::T* k_cache, const type
       int64_t t = 0;
       for (; t + 8 <= BS && t < n; t += 8) {  // 8 rows at a time (rows past n are read, never used)
         pace(t0 + t + 8, L);
-        avx2::split_rows8<D, R>(kb + t * D, kf);
+        if constexpr (R::kIntDot) avx2::widen_rows8<D>(kb + t * D, kw);
+        else avx2::split_rows8<D, R>(kb + t * D, kf);
         __m256 rs, rm;
         R::params8(R::kQuantized ? ksb + t : nullptr, rs, rm);
         for (int g = 0; g < G; ++g) {
-          __m256 sc = avx2::dots8<D>(qs[g], kf);
-          if constexpr (R::kQuantized) sc = _mm256_mul_ps(sc, rs);
+          __m256 sc;
+          if constexpr (R::kIntDot) sc = _mm256_mul_ps(avx2::int_dots8<D>(q16[g], kw), _mm256_mul_ps(rs, _mm256_set1_ps(q_unit[g])));
+          else sc = avx2::dots8<D>(qs[g], kf);
+          if constexpr (R::kQuantized && !R::kIntDot) sc = _mm256_mul_ps(sc, rs);
           if constexpr (R::kZero) sc = _mm256_fmadd_ps(rm, _mm256_set1_ps(q_sum[g]), sc);
           _mm256_storeu_ps(scores.data() + g * stride + t0 + t, sc);
         }
@@ -699,14 +841,19 @@ void decode_avx2(const at::BFloat16* q, const typename R::T* k_cache, const type
     for (int64_t j = 0; j < nblocks; ++j) {
       const int64_t t0 = j * BS, n = std::min(BS, L - t0);
       pace(t0 + n, L);
-      avx2::pv_block<D, G, R>(accm, scores.data() + t0, stride, n, vh + blocks[j] * BS * D);
+      if constexpr (R::kIntDot) avx2::int_pv_block<D, G>(accm, scores.data() + t0, stride, n, vh + blocks[j] * BS * D);
+      else avx2::pv_block<D, G, R>(accm, scores.data() + t0, stride, n, vh + blocks[j] * BS * D);
     }
     pace(1, 1);
     for (int g = 0; g < G; ++g) {
       const __m256 z = _mm256_set1_ps(z_sum[g]);
-      for (int c = 0; c < D / 16; ++c)
-        avx2::store_bf16x16(out + (b * H + h * G + g) * D + 16 * c, _mm256_add_ps(_mm256_load_ps(accm[g] + 16 * c), z),
-                            _mm256_add_ps(_mm256_load_ps(accm[g] + 16 * c + 8), z));
+      for (int c = 0; c < D / 16; ++c) {
+        const __m256 x0 = _mm256_add_ps(_mm256_load_ps(accm[g] + 16 * c), z);
+        const __m256 x1 = _mm256_add_ps(_mm256_load_ps(accm[g] + 16 * c + 8), z);
+        at::BFloat16* o = out + (b * H + h * G + g) * D + 16 * c;
+        if constexpr (R::kIntDot) avx2::store_bf16x16_ordered(o, x0, x1);  // int_pv_block's accm: dims in order
+        else avx2::store_bf16x16(o, x0, x1);
+      }
     }
   });
 }
