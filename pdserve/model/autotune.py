@@ -29,6 +29,13 @@ logger = logging.getLogger(__name__)
 ROW_BUCKETS: tuple[int, ...] = (1, 4, 8, 16, 32, 64, 128, 256, 512)
 NOISY = 2.0  # a table measured with a larger spread is used but not cached (the next start measures again)
 DECODE_ROWS = 64  # buckets up to this many rows count as decode-sized (the batch-invariant pick)
+# Another kernel takes a bucket from the incumbent (the batch-invariant pick) only by more than this: each
+# kernel chosen somewhere keeps its own copy of the weights (fp32 sgemm: twice bf16's bytes), which a
+# per-op timing does not see, and near-ties are the host's noise. So the default is never more than this
+# behind the incumbent pinned, per bucket. On an AVX2-only EPYC a cached table gave fp32 the 64-row
+# bucket (and some ops at 256-512 rows) by 1-3%, and the offline run went at 0.93-0.98x the speed of
+# `--linear-kernel pdserve` (session 24).
+WIN_MARGIN = 0.05
 CACHE_VERSION = 1  # bump when the table's meaning changes: old files then miss
 
 Pass = Sequence[tuple[str, Callable[[], object]]]  # one forward's op calls, in order
@@ -54,7 +61,8 @@ class TuneTable:
     def winners(self, op: str) -> list[str]:
         if self.pinned is not None:
             return [self.pinned] * len(self.buckets)
-        return pick_per_bucket(self.seconds[op], self.order, len(self.buckets))
+        incumbent = pick_one(self, self.order) if self.order else None
+        return pick_per_bucket(self.seconds[op], self.order, len(self.buckets), incumbent)
 
     def total_seconds(self, candidate: str) -> list[float]:
         """One full pass over every op, per bucket."""
@@ -94,12 +102,16 @@ class TuneTable:
         )
 
 
-def pick_per_bucket(times: Mapping[str, Sequence[float]], order: Sequence[str], num_buckets: int) -> list[str]:
-    """The fastest candidate per bucket; a tie goes to the earlier candidate in `order`."""
+def pick_per_bucket(times: Mapping[str, Sequence[float]], order: Sequence[str], num_buckets: int,
+                    incumbent: str | None = None, margin: float = WIN_MARGIN) -> list[str]:
+    """The fastest candidate per bucket (a tie goes to the earlier one in `order`), except that the
+    `incumbent`, where given, keeps every bucket in which it is within `margin` of the fastest."""
     names = [c for c in order if c in times] or list(times)
     picks = []
     for i in range(num_buckets):
         best = min(names, key=lambda c: (times[c][i], names.index(c)))
+        if incumbent in times and times[incumbent][i] <= times[best][i] * (1 + margin):
+            best = incumbent
         picks.append(best)
     return picks
 

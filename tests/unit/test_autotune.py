@@ -52,6 +52,21 @@ def test_pick_per_bucket_and_ties():
     assert pick_per_bucket(times, ("b", "a"), 3) == ["a", "b", "b"]
 
 
+def test_the_incumbent_keeps_near_ties():
+    """Another kernel takes a bucket from the incumbent only by more than the margin (its own weight copy
+    is a cost the timing does not see); a real win still goes to it."""
+    times = {"a": [1.0, 1.0, 1.0, 1.0], "b": [0.97, 0.5, 1.2, 0.953]}
+    assert pick_per_bucket(times, ("a", "b"), 4, incumbent="a") == ["a", "b", "a", "a"]  # 3% / 5%: ties
+    assert pick_per_bucket(times, ("a", "b"), 4, incumbent="a", margin=0.0) == ["b", "b", "a", "b"]
+    assert pick_per_bucket(times, ("b", "a"), 4, incumbent="b") == ["b", "b", "a", "b"]
+    assert pick_per_bucket({"a": [math.inf], "b": [1.0]}, ("a", "b"), 1, incumbent="a") == ["b"]
+    # In a table the incumbent is the batch-invariant pick (decode-sized buckets): "gemv" here, which
+    # keeps the 64-row bucket that "gemm" wins by 2%, not the 512-row one it wins by 3x.
+    table = TuneTable((1, 64, 512), {"op": {"gemm": [5.0, 1.96, 1.0], "gemv": [1.0, 2.0, 3.0]}}, ("gemm", "gemv"))
+    assert pick_one(table, table.order) == "gemv"
+    assert table.winners("op") == ["gemv", "gemv", "gemm"]
+
+
 def test_tune_picks_the_fastest_per_bucket_and_op():
     clock = FakeClock()
     costs = {
