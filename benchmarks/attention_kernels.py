@@ -73,21 +73,31 @@ def decode_call(attn: CpuPagedAttention, path: str):  # type: ignore[no-untyped-
     )
 
 
-def measure(attn: CpuPagedAttention, kv_dtype: str, batch: int, context: int, args: argparse.Namespace,
-            path: str = "auto") -> dict:
-    kvh, heads, d, bs = args.kv_heads, args.heads, args.head_dim, args.block_size
-    blocks_per_seq = -(-context // bs)
+def decode_inputs(kv_dtype: str, batch: int, context: int, heads: int, kvh: int, head_dim: int, block_size: int,
+                  min_bytes: float, max_layers: int) -> tuple[torch.Tensor, list[LayerCache], list[DecodeGroup]]:
+    """One step's queries and enough layer caches (blocks scattered at random) that one pass over them
+    reads at least `min_bytes` (capped at `max_layers`), each with its decode group."""
+    blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq
-    nbytes = bytes_per_call(batch, context, kvh, heads, d, kv_dtype)
-    layers = max(1, min(args.max_layers, math.ceil(args.min_bytes / nbytes)))
+    nbytes = bytes_per_call(batch, context, kvh, heads, head_dim, kv_dtype)
+    layers = max(1, min(max_layers, math.ceil(min_bytes / nbytes)))
     g = torch.Generator().manual_seed(0)
     caches, groups = [], []
     for _ in range(layers):
-        caches.append(random_cache(kv_dtype, kvh, num_blocks, bs, d))
+        caches.append(random_cache(kv_dtype, kvh, num_blocks, block_size, head_dim))
         table = torch.randperm(num_blocks, generator=g).view(batch, blocks_per_seq)
-        mask = (torch.arange(blocks_per_seq * bs) < context).view(1, 1, 1, -1).expand(batch, 1, 1, -1)
+        mask = (torch.arange(blocks_per_seq * block_size) < context).view(1, 1, 1, -1).expand(batch, 1, 1, -1)
         groups.append(DecodeGroup(0, batch, table, torch.full((batch,), context, dtype=torch.int64), mask))
-    q = torch.randn(batch, heads, d).bfloat16()
+    return torch.randn(batch, heads, head_dim).bfloat16(), caches, groups
+
+
+def measure(attn: CpuPagedAttention, kv_dtype: str, batch: int, context: int, args: argparse.Namespace,
+            path: str = "auto") -> dict:
+    kvh, heads, d = args.kv_heads, args.heads, args.head_dim
+    nbytes = bytes_per_call(batch, context, kvh, heads, d, kv_dtype)
+    q, caches, groups = decode_inputs(kv_dtype, batch, context, heads, kvh, d, args.block_size, args.min_bytes,
+                                      args.max_layers)
+    layers = len(caches)
     scale = d**-0.5
     decode = decode_call(attn, path)
     for cache, group in zip(caches, groups):  # warm-up: page faults, thread pool

@@ -18,7 +18,6 @@ OpenMP threads spin after each call and steal the cores from the one being timed
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import random
 import statistics
@@ -47,23 +46,15 @@ def worker(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import attention_kernels as ak
 
-    from pdserve.attention.base import DecodeGroup
     from pdserve.attention.cpu_paged import CpuPagedAttention
 
     attn = CpuPagedAttention()
-    d, bs, ctx = args.head_dim, args.block_size, args.context
+    d = args.head_dim
     setups = []
     for h, kvh, b, dt in points(args):
         torch.manual_seed(0)
-        g = torch.Generator().manual_seed(0)
-        per_seq = -(-ctx // bs)
-        layers = max(1, min(args.max_layers, math.ceil(args.min_bytes / ak.bytes_per_call(b, ctx, kvh, h, d, dt))))
-        caches, groups = [], []
-        for _ in range(layers):
-            caches.append(ak.random_cache(dt, kvh, b * per_seq, bs, d))
-            table = torch.randperm(b * per_seq, generator=g).view(b, per_seq)
-            groups.append(DecodeGroup(0, b, table, torch.full((b,), ctx, dtype=torch.int64), None))  # type: ignore[arg-type]
-        q = torch.randn(b, h, d).bfloat16()
+        q, caches, groups = ak.decode_inputs(dt, b, args.context, h, kvh, d, args.block_size, args.min_bytes,
+                                             args.max_layers)
         for c, gr in zip(caches, groups):  # warm-up: the build, page faults, the thread pool
             attn.decode(q, c, gr, d**-0.5)
         setups.append((q, caches, groups))
