@@ -133,16 +133,30 @@ void for_each_item(const int64_t* ctx, int64_t B, int64_t KVH, const F& fn) {
 
 // Shared by the prefill flash kernels (bf16/int8/fp8 and int4; AVX-512, AMX, AVX2). The work items:
 // (sequence, kv head, tile of `tile` query rows), each costed by the keys it reads.
-struct PrefillTile { int64_t p, h, r0; };
+// A unit of prefill work: `rows` query rows from row r0 of sequence p (at positions first_pos, first_pos + 1,
+// ... of the sequence) against kv head h.
+struct PrefillTile { int64_t p, h, r0, rows, first_pos; };
 constexpr int64_t kQueryTile = 16;
 inline void prefill_tiles(int64_t P, int64_t KVH, const int64_t* q_len, const int64_t* ctx,
                           std::vector<PrefillTile>& items, std::vector<int64_t>& costs, int64_t tile = kQueryTile) {
   for (int64_t p = 0; p < P; ++p)
     for (int64_t h = 0; h < KVH; ++h)
       for (int64_t r0 = 0; r0 < q_len[p]; r0 += tile) {
-        items.push_back({p, h, r0});
+        items.push_back({p, h, r0, std::min(tile, q_len[p] - r0), ctx[p] - q_len[p] + r0});
         costs.push_back(ctx[p] - q_len[p] + std::min(r0 + tile, q_len[p]) + 64);  // keys the tile reads
       }
+}
+
+// One kv head's planes of the cache (K and V [NB * BS][D] each from the head's first row) and, for a quantized
+// cache, its per-row parameters (nullptr otherwise). R: one of the row formats below.
+template <typename R>
+struct HeadPlanes { const typename R::T *k, *v; const float *ks, *vs; };
+template <typename R>
+HeadPlanes<R> head_planes(const typename R::T* k_cache, const typename R::T* v_cache, const float* k_scale,
+                          const float* v_scale, int64_t h, int64_t rows_per_head, int64_t D) {
+  const int64_t row0 = h * rows_per_head;
+  return {k_cache + row0 * D, v_cache + row0 * D, R::kQuantized ? k_scale + row0 : nullptr,
+          R::kQuantized ? v_scale + row0 : nullptr};
 }
 
 // The lines of a list of cache blocks, prefetched into L2 a few at a time while the kernel computes on
@@ -738,10 +752,7 @@ void decode_avx2(const at::BFloat16* q, const typename R::T* k_cache, const type
     const int64_t nblocks = (L + BS - 1) / BS;
     const int64_t stride = nblocks * BS + 8;  // room for 8-row groups past L
     scores.resize(G * stride);
-    const T* kh = k_cache + h * NB * BS * D;
-    const T* vh = v_cache + h * NB * BS * D;
-    const float* ksh = R::kQuantized ? k_scale + h * NB * BS : nullptr;
-    const float* vsh = R::kQuantized ? v_scale + h * NB * BS : nullptr;
+    const auto [kh, vh, ksh, vsh] = head_planes<R>(k_cache, v_cache, k_scale, v_scale, h, NB * BS, D);
     L2Stream stream, params;  // rows, and a quantized cache's row parameters
     const auto start_streams = [&](const T* rows, const float* slots, const int64_t* blk, int64_t L1) {
       const int64_t nb1 = (L1 + BS - 1) / BS, last_rows = L1 - (nb1 - 1) * BS;
@@ -886,13 +897,9 @@ void prefill_avx2(const at::BFloat16* q, const typename R::T* k_cache, const typ
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for_each_costed(costs, [&](int64_t it) {
     const PrefillTile& item = items[it];
-    const int64_t p = item.p, h = item.h, r0 = item.r0;
-    const int64_t rows = std::min(QT, q_len[p] - r0), first_pos = ctx[p] - q_len[p] + r0;
+    const int64_t p = item.p, h = item.h, r0 = item.r0, rows = item.rows, first_pos = item.first_pos;
     const int64_t* blocks = tables + p * max_blocks;
-    const T* kh = k_cache + h * NB * BS * D;
-    const T* vh = v_cache + h * NB * BS * D;
-    const float* ksh = R::kQuantized ? k_scale + h * NB * BS : nullptr;
-    const float* vsh = R::kQuantized ? v_scale + h * NB * BS : nullptr;
+    const auto [kh, vh, ksh, vsh] = head_planes<R>(k_cache, v_cache, k_scale, v_scale, h, NB * BS, D);
     alignas(32) float qt[G][D][QT];          // the tile's queries, split dims x rows
     alignas(32) float acc[G][D][QT];         // p.v sums, split dims x rows
     alignas(32) float kf[KC][D], vf[KC][D];  // the chunk's K and V rows as float, split
@@ -1311,10 +1318,7 @@ void decode_avx512(const at::BFloat16* q, const typename R::T* k_cache, const ty
     const at::BFloat16* qh = q + (b * H + h * G) * D;  // the group's G query heads, contiguous
     const int64_t stride = nblocks * BS + 16;  // room to store whole 16-token groups past L
     scores.resize(G * stride);
-    const T* kh = k_cache + h * NB * BS * D;
-    const T* vh = v_cache + h * NB * BS * D;
-    const float* ksh = R::kQuantized ? k_scale + h * NB * BS : nullptr;
-    const float* vsh = R::kQuantized ? v_scale + h * NB * BS : nullptr;
+    const auto [kh, vh, ksh, vsh] = head_planes<R>(k_cache, v_cache, k_scale, v_scale, h, NB * BS, D);
     // A thread's first item reads its K blocks in a pure-load pass first (one load per line and nothing
     // else: as many misses in flight as the core allows, the L2 streamer running ahead in each page);
     // every later side arrives through the streams above, prefetched under the compute of the side before.
@@ -1535,13 +1539,9 @@ void prefill_avx512(const at::BFloat16* q, const typename R::T* k_cache, const t
   const __m512i lane = perm.lane, vlo = perm.vlo, vhi = perm.vhi, pil = perm.pil;
   for_each_costed(costs, [&](int64_t it) {
     const PrefillTile& item = items[it];
-    const int64_t p = item.p, h = item.h, r0 = item.r0;
-    const int64_t rows = std::min(QT, q_len[p] - r0), first_pos = ctx[p] - q_len[p] + r0;
+    const int64_t p = item.p, h = item.h, r0 = item.r0, rows = item.rows, first_pos = item.first_pos;
     const int64_t* blocks = tables + p * max_blocks;
-    const T* kh = k_cache + h * NB * BS * D;
-    const T* vh = v_cache + h * NB * BS * D;
-    const float* ksh = R::kQuantized ? k_scale + h * NB * BS : nullptr;
-    const float* vsh = R::kQuantized ? v_scale + h * NB * BS : nullptr;
+    const auto [kh, vh, ksh, vsh] = head_planes<R>(k_cache, v_cache, k_scale, v_scale, h, NB * BS, D);
     alignas(64) int32_t kconv[R::kQuantized ? 8 * D : 1];  // the chunk's 16 quantized keys as bf16
     alignas(64) float kmul[16], vmul[16];  // per key: K scale x softmax scale (log2 units), V scale
     alignas(64) float kzero[16], vzero[16];  // int8, per key: K offset m x softmax scale (log2 units), V offset
@@ -1736,8 +1736,7 @@ void prefill_amx(const at::BFloat16* q, const at::BFloat16* k_cache, const at::B
   const TileConfig config;
   for_each_costed(costs, [&](int64_t it) {
     const PrefillTile& item = items[it];
-    const int64_t p = item.p, h = item.h, r0 = item.r0;
-    const int64_t rows = std::min(QT, q_len[p] - r0), first_pos = ctx[p] - q_len[p] + r0;
+    const int64_t p = item.p, h = item.h, r0 = item.r0, rows = item.rows, first_pos = item.first_pos;
     const int64_t* blocks = tables + p * max_blocks;
     const at::BFloat16* kh = k_cache + h * NB * BS * D;
     const int32_t* vth = vt.get() + vt_at[p * KVH + h];
@@ -2283,8 +2282,7 @@ void prefill_int4_avx512(const at::BFloat16* q, const uint8_t* k_cache, const ui
   const __m512i even = _mm512_mullo_epi32(lane, _mm512_set1_epi32(2)), odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
   for_each_costed(costs, [&](int64_t it) {
     const PrefillTile& item = items[it];
-    const int64_t p = item.p, h = item.h, r0 = item.r0;
-    const int64_t rows = std::min(QT, q_len[p] - r0), first_pos = ctx[p] - q_len[p] + r0, last_pos = first_pos + rows - 1;
+    const int64_t p = item.p, h = item.h, r0 = item.r0, rows = item.rows, first_pos = item.first_pos, last_pos = first_pos + rows - 1;
     const int64_t* blocks = tables + p * max_blocks;
     alignas(64) int32_t kconv[8 * D];  // the chunk's 16 keys as bf16 pairs
     alignas(64) int32_t qt[G][D / 2][QT];
