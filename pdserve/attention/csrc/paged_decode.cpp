@@ -683,6 +683,33 @@ inline void int_pv_chunks(float (*accm)[D], const int16_t (*w16)[kPvRows + 16], 
   if constexpr (G0 + GC < G) int_pv_chunks<D, G, G0 + GC>(accm, w16, unit, n, v);
 }
 
+// The G heads' weights of m <= kPvRows rows (head g's from p + g * stride; >= 0) in int16 steps of a power
+// of two, as above: unit[g] is head g's step; w16[g][m] = 0 (an odd block's last pair). Shared with the
+// AVX512-VNNI p.v (int_pv_block_vnni).
+template <int G>
+inline void int16_weights(const float* p, int64_t stride, int64_t m, int16_t (*w16)[kPvRows + 16], float* unit) {
+  for (int g = 0; g < G; ++g) {
+    const float* pg = p + g * stride;
+    float mx = 0.f;  // weights are >= 0
+    for (int64_t t = 0; t < m; ++t) mx = std::max(mx, pg[t]);
+    int e;
+    std::frexp(mx, &e);  // mx in [2^(e-1), 2^e): mx / 2^(e-15) in [2^14, 2^15)
+    const bool live = mx > 0.f && e > -100;  // a block of weights below 2^-100 adds nothing
+    unit[g] = live ? std::ldexp(1.f, e - 15) : 0.f;
+    const float step_inv = live ? std::ldexp(1.f, 15 - e) : 0.f;
+    const __m256 inv = _mm256_set1_ps(step_inv);
+    int64_t t = 0;
+    for (; t + 16 <= m; t += 16) {
+      const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(pg + t), inv));
+      const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(pg + t + 8), inv));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(w16[g] + t),
+                         _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), _MM_SHUFFLE(3, 1, 2, 0)));
+    }
+    for (; t < m; ++t) w16[g][t] = static_cast<int16_t>(std::min(32767.f, std::nearbyint(pg[t] * step_inv)));
+    w16[g][m] = 0;  // an odd block's last pair
+  }
+}
+
 // p.v over one block's n int8 rows (v: the first) for the G heads, accm [G][D] in dim order; p + g *
 // stride + t head g's weight of row t (with the row's V scale).
 template <int D, int G>
@@ -691,26 +718,7 @@ inline void int_pv_block(float (*accm)[D], const float* p, int64_t stride, int64
   float unit[G];
   for (int64_t t0 = 0; t0 < n; t0 += kPvRows) {
     const int64_t m = std::min(kPvRows, n - t0);
-    for (int g = 0; g < G; ++g) {
-      const float* pg = p + g * stride + t0;
-      float mx = 0.f;  // weights are >= 0
-      for (int64_t t = 0; t < m; ++t) mx = std::max(mx, pg[t]);
-      int e;
-      std::frexp(mx, &e);  // mx in [2^(e-1), 2^e): mx / 2^(e-15) in [2^14, 2^15)
-      const bool live = mx > 0.f && e > -100;  // a block of weights below 2^-100 adds nothing
-      unit[g] = live ? std::ldexp(1.f, e - 15) : 0.f;
-      const float step_inv = live ? std::ldexp(1.f, 15 - e) : 0.f;
-      const __m256 inv = _mm256_set1_ps(step_inv);
-      int64_t t = 0;
-      for (; t + 16 <= m; t += 16) {
-        const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(pg + t), inv));
-        const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(pg + t + 8), inv));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(w16[g] + t),
-                           _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), _MM_SHUFFLE(3, 1, 2, 0)));
-      }
-      for (; t < m; ++t) w16[g][t] = static_cast<int16_t>(std::min(32767.f, std::nearbyint(pg[t] * step_inv)));
-      w16[g][m] = 0;  // an odd block's last pair
-    }
+    int16_weights<G>(p + t0, stride, m, w16, unit);
     int_pv_chunks<D, G>(accm, w16, unit, m, v + t0 * D);
   }
 }
@@ -1226,6 +1234,54 @@ inline void int8_scores16(const int8_t* k, const int16_t* q16, const float* unit
   }
 }
 
+struct NoTick { void operator()(int, int64_t) const {} };
+
+// int8 V's p.v in integers where the CPU has AVX512-VNNI (Int8Rows::kIntDot), as avx2::int_pv_block: per
+// run of at most avx2::kPvRows rows, each head's weights in int16 power-of-two steps (avx2::int16_weights), two
+// rows' bytes interleaved and widened to int16, and vpdpwssd adds each pair of products against the two
+// weights (one int32 broadcast) to int32 sums per dim: 32 multiply-adds per instruction where the float
+// path converts every value and does 16. The G heads' 2G sums of a 32-dim slice stay in registers (G <= 8);
+// they join the float accumulators accm [G][D] (dims in order) once per run.
+template <int D, int G, typename Tick = NoTick>
+inline void int_pv_block_vnni(float (*accm)[D], const float* p, int64_t stride, int64_t n, const int8_t* v,
+                              const Tick& tick = Tick()) {
+  alignas(64) int16_t w16[G][avx2::kPvRows + 16];
+  float unit[G];
+  for (int64_t t0 = 0; t0 < n; t0 += avx2::kPvRows) {
+    const int64_t m = std::min(avx2::kPvRows, n - t0), pairs = (m + 1) / 2;
+    avx2::int16_weights<G>(p + t0, stride, m, w16, unit);
+    const int8_t* vb = v + t0 * D;
+    for (int c = 0; c < D / 32; ++c) {
+      __m512i lo[G], hi[G];  // int32 sums of the slice's dims 0-7 and 16-23 (lo), 8-15 and 24-31 (hi)
+      for (int g = 0; g < G; ++g) lo[g] = hi[g] = _mm512_setzero_si512();
+      for (int64_t i = 0; i < pairs; ++i) {
+        const int8_t* r0 = vb + 2 * i * D + 32 * c;
+        const int8_t* r1 = 2 * i + 1 < m ? r0 + D : r0;  // an odd last row pairs with itself, weight 0
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0));
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1));
+        const __m512i x = _mm512_cvtepi8_epi16(_mm256_unpacklo_epi8(a, b));  // per 128-bit lane: 8 dims' pairs
+        const __m512i y = _mm512_cvtepi8_epi16(_mm256_unpackhi_epi8(a, b));
+        for (int g = 0; g < G; ++g) {
+          int32_t pair;
+          std::memcpy(&pair, w16[g] + 2 * i, sizeof(pair));
+          const __m512i w = _mm512_set1_epi32(pair);
+          lo[g] = _mm512_dpwssd_epi32(lo[g], w, x);
+          hi[g] = _mm512_dpwssd_epi32(hi[g], w, y);
+        }
+        if ((i & 7) == 7 || i + 1 == pairs) tick(c, t0 + std::min(m, 2 * i + 2));
+      }
+      for (int g = 0; g < G; ++g) {
+        const __m512 u = _mm512_set1_ps(unit[g]);
+        float* acc = accm[g] + 32 * c;
+        const __m512i d0 = _mm512_shuffle_i64x2(lo[g], hi[g], 0x44);  // dims 0-15
+        const __m512i d1 = _mm512_shuffle_i64x2(lo[g], hi[g], 0xEE);  // dims 16-31
+        _mm512_store_ps(acc, _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), u, _mm512_load_ps(acc)));
+        _mm512_store_ps(acc + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), u, _mm512_load_ps(acc + 16)));
+      }
+    }
+  }
+}
+
 // q.k for 16 bf16 K rows (k: the first, rows D apart) and the G query heads q (bf16, heads D apart), 32
 // dim pairs per vdpbf16ps and the 16 rows' sums reduced together: done(g, dots) takes head g's 16 scores.
 // Shared by every decode kernel's K pass (bf16 blocks, quantized rows converted to bf16 in L1, int4 open
@@ -1253,7 +1309,6 @@ __attribute__((always_inline)) inline void bf16_scores16(const void* q, const vo
 // the 1.5B's 6 x 128) would not fit in the 32 vector registers. row(t, c, v0, v1) gives row t's 32
 // values of slice c as two float vectors (in whatever order accm keeps), p + g * stride + t head g's
 // weight of row t. Shared by every decode kernel's V pass (decode_avx512, decode_int4_avx512).
-struct NoTick { void operator()(int, int64_t) const {} };
 template <int D, int G, typename Row, typename Tick = NoTick>
 __attribute__((always_inline)) inline void pv_block(float (*accm)[D], const float* p, int64_t stride, int64_t n,
                                                     const Row& row, const Tick& tick = Tick()) {
@@ -1286,7 +1341,8 @@ __attribute__((always_inline)) inline void pv_block(float (*accm)[D], const floa
 // A quantized cache (R = Int8Rows, Fp8Rows) takes the same path: 16 K rows are converted to bf16 once
 // into an L1 buffer that the G heads then read as they read a bf16 block (int8 with VNNI: widened to
 // int16 for integer dot products instead, see Int8Rows), the 16 scores are multiplied by their rows' K
-// scales with the softmax scale, and before p.v the probabilities by their rows' V scales. int8's
+// scales with the softmax scale, and before p.v the probabilities by their rows' V scales (int8 with
+// VNNI: then p.v in integers, int_pv_block_vnni, paced as the float path). int8's
 // offsets m: q.k_t = s_t (q . c_t) + m_t sum(q), each head's sum(q) once per step; p.v = sum_t (p_t s_t)
 // c_t + sum_t p_t m_t, the second one scalar per head added to every dim at the end (the int4 kernel's
 // values take the same fold).
@@ -1441,6 +1497,11 @@ void decode_avx512(const at::BFloat16* q, const typename R::T* k_cache, const ty
     for (int64_t j = 0; j < nblocks; ++j) {
       const T* vb = vh + blocks[j] * BS * D;
       const int64_t t0 = j * BS, n = std::min(BS, L - t0);
+      if constexpr (R::kIntDot) {
+        int_pv_block_vnni<D, G>(accm, scores.data() + t0, stride, n, vb,
+                                [&](int c, int64_t t) { pace(t0 * NC + c * n + t, L * NC); });
+        continue;
+      }
       pv_block<D, G>(accm, scores.data() + t0, stride, n,
                      [&](int64_t t, int c, __m512& v0, __m512& v1) { R::f32x32(vb + t * D + 32 * c, v0, v1); },
                      [&](int c, int64_t t) { pace(t0 * NC + c * n + t, L * NC); });
