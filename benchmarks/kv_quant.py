@@ -9,7 +9,8 @@ it: `--attention-backend auto` falls back to the torch reference where a backend
 and the table says which ran), fills the cache with synthetic K/V (random values and scales, every page
 touched: a never-written page would be read from the kernel's zero page and look infinitely fast), and
 times decode steps through `ModelRunner.execute`: `batch` sequences of `context` tokens each, every one
-in blocks of its own, one new token per sequence per step. What a step costs is weight streaming
+in blocks of its own (the engine's block size for each kv dtype unless `--block-size`: 128 tokens on a
+CPU, int4 16), one new token per sequence per step. What a step costs is weight streaming
 (independent of the kv dtype) plus reading the batch's KV, which int8/fp8 halves.
 
 Beside each TPOT it times decode attention alone on the same cache: the backend's `decode` for every
@@ -19,7 +20,7 @@ the best with the spread (max / min - 1); the dtypes run one after the other in 
 
 A (batch, context) point whose cache would exceed `--max-kv-gb` in some dtype is skipped in that dtype
 (bf16 at 64 x 8k needs ~12 GB for SmolLM2, int8 ~6 GB: that is the capacity gain). Prints ms per step
-(TPOT) and attention ms per step per dtype with the speedup over the first dtype, the capacity (blocks per
+(TPOT) and attention ms per step per dtype with the speedup over the first dtype, the capacity (tokens per
 GiB of `--kv-cache-memory-gb`, before int4's residual pool) and the host (`measure_machine`); writes
 JSON with `--json`. On a busy machine the figures mean little: run on a quiet one, repeat, read the spread.
 """
@@ -39,6 +40,7 @@ from pdserve import LLM
 from pdserve.attention.base import DecodeGroup
 from pdserve.batch import Batch, BatchRequest
 from pdserve.bench.machine import cpu_flags, measure_machine
+from pdserve.config import default_block_size
 from pdserve.engine.llm_engine import make_attention
 from pdserve.kv.cache import KVCache, KVLayout
 from pdserve.request import SamplingParams
@@ -135,7 +137,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--kv-dtypes", default="bfloat16,int8,fp8_e4m3,int4")
     ap.add_argument("--steps", type=int, default=8, help="decode steps timed per point (median)")
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="tokens per block (default: the engine's for each kv dtype, config.default_block_size)")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--max-kv-gb", type=float, default=8.0, help="skip points whose cache would be larger")
     ap.add_argument("--repeats", type=int, default=1, help="times each point is measured (best, spread)")
@@ -151,7 +154,7 @@ def main() -> None:
               max_model_len=max(contexts) + args.steps + 2, num_threads=args.num_threads)
     eng = llm.engine
     cfg = eng.model_config
-    print(f"model {eng.model_name}, {eng.dtype}, {torch.get_num_threads()} threads, block size {args.block_size}")
+    print(f"model {eng.model_name}, {eng.dtype}, {torch.get_num_threads()} threads")
     limits = measure_machine(dtypes=("bfloat16",))
     host = (f"{limits.cpu}, {limits.num_threads} threads, {' '.join(f for f, on in cpu_flags().items() if on)}, "
             f"DRAM {limits.memory_bandwidth / 1e9:.1f} GB/s, bf16 matmul {limits.matmul_flops['bfloat16'] / 1e9:.0f} GFLOP/s")
@@ -161,17 +164,19 @@ def main() -> None:
     tpot: dict[tuple[int, int], Times] = {(b, c): {} for b in batches for c in contexts}
     attn_s: dict[tuple[int, int], Times] = {(b, c): {} for b in batches for c in contexts}
     backends: dict[str, str] = {}
-    capacity: dict[str, int] = {}
+    capacity: dict[str, int] = {}  # tokens per GiB
+    block_sizes: dict[str, int] = {}
     for kv_dtype in kv_dtypes:
-        layout = KVLayout.for_model(cfg, args.block_size, kv_dtype, eng.dtype)
-        capacity[kv_dtype] = 2**30 // layout.block_bytes
+        bs = block_sizes[kv_dtype] = args.block_size or default_block_size(eng.device.type, kv_dtype)
+        layout = KVLayout.for_model(cfg, bs, kv_dtype, eng.dtype)
+        capacity[kv_dtype] = 2**30 // layout.block_bytes * bs
         fits = [(b, c) for b in batches for c in contexts
-                if b * -(-(c + args.steps + 1) // args.block_size) * layout.block_bytes <= args.max_kv_gb * 2**30]
+                if b * -(-(c + args.steps + 1) // bs) * layout.block_bytes <= args.max_kv_gb * 2**30]
         for key in tpot.keys() - set(fits):
             tpot[key][kv_dtype] = attn_s[key][kv_dtype] = None
         if not fits:
             continue
-        num_blocks = max(b * -(-(c + args.steps + 1) // args.block_size) for b, c in fits)
+        num_blocks = max(b * -(-(c + args.steps + 1) // bs) for b, c in fits)
         # int4: the blocks each point's steps write stay open (a few per sequence, never freed here)
         residual = 2 * sum(b for b, _ in fits) * args.repeats + 8 if layout.is_int4 else 0
         cache = KVCache(layout, num_blocks, eng.device, num_residual_slots=residual)
@@ -183,13 +188,13 @@ def main() -> None:
         paths = getattr(attn, "kernel_paths", None)  # cpu-paged names the kernels it runs for this cache
         kernels = f" (decode {paths(cache.layers[0], cfg.num_heads)[0]})" if paths else ""
         print(f"{kv_dtype}: {layout.describe()}; {num_blocks} blocks, {cache.nbytes / 2**30:.2f} GiB; "
-              f"{capacity[kv_dtype]} blocks per GiB; attention {attn.name}{kernels}", flush=True)
+              f"{capacity[kv_dtype]} tokens per GiB; attention {attn.name}{kernels}", flush=True)
         for b, c in fits:
             tpot[(b, c)][kv_dtype], attn_s[(b, c)][kv_dtype] = [], []
             for _ in range(args.repeats):
-                tpot[(b, c)][kv_dtype].append(time_point(runner, b, c, args.steps, args.block_size))  # type: ignore[union-attr]
+                tpot[(b, c)][kv_dtype].append(time_point(runner, b, c, args.steps, bs))  # type: ignore[union-attr]
                 attn_s[(b, c)][kv_dtype].append(time_attention(  # type: ignore[union-attr]
-                    runner, cache, b, c, args.steps, args.block_size, cfg.num_heads, cfg.head_dim, eng.dtype))
+                    runner, cache, b, c, args.steps, bs, cfg.num_heads, cfg.head_dim, eng.dtype))
             print(f"  {kv_dtype} batch {b} context {c}: TPOT {[round(x * 1e3, 2) for x in tpot[(b, c)][kv_dtype]]} ms, "  # type: ignore[union-attr]
                   f"attention {[round(x * 1e3, 2) for x in attn_s[(b, c)][kv_dtype]]} ms", flush=True)  # type: ignore[union-attr]
         del runner, cache
@@ -213,14 +218,14 @@ def main() -> None:
 
     rows = table("TPOT, whole model", tpot)
     attention_rows = table("decode attention, all layers", attn_s)
-    print("capacity (blocks per GiB): " + ", ".join(
+    print("capacity (tokens per GiB): " + ", ".join(
         f"{d} {n} ({n / capacity[first]:.2f}x)" for d, n in capacity.items()))
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"model": eng.model_name, "dtype": str(eng.dtype), "threads": torch.get_num_threads(),
-                       "host": host, "block_size": args.block_size, "attention": backends, "steps": args.steps,
-                       "repeats": args.repeats, "blocks_per_gib": capacity, "tpot": rows,
+                       "host": host, "block_size": block_sizes, "attention": backends, "steps": args.steps,
+                       "repeats": args.repeats, "tokens_per_gib": capacity, "tpot": rows,
                        "decode_attention": attention_rows}, f, indent=1)
 
 
