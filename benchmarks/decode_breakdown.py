@@ -27,6 +27,7 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.bench.machine import cpu_flags, cpu_name, measure_memory_bandwidth
+from pdserve.config import ModelConfig
 
 
 class Timed:
@@ -52,6 +53,15 @@ class TimedMethods:
 
     def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
         return getattr(self._inner, name)
+
+
+def bf16_weight_bytes(cfg: ModelConfig) -> int:
+    """The projections' and the output head's bytes in bf16: what a decode step streams at the least.
+    From the shapes, not the tensors: the packed kernels hold the weights (and a bucketed op more than
+    one layout of them), and the float parameters are freed once packed."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    per_layer = d * hd * (cfg.num_heads + 2 * cfg.num_kv_heads) + cfg.num_heads * hd * d + 3 * d * cfg.intermediate_size
+    return 2 * (cfg.num_layers * per_layer + cfg.vocab_size * d)
 
 
 def sharegpt_rows(eng, acc: dict, marks: list[int], steps: int, weight_bytes: int, kv_bytes_per_token: int) -> list[dict]:  # type: ignore[no-untyped-def]
@@ -111,7 +121,7 @@ def main() -> None:
     eng.runner.attn = TimedMethods(eng.runner.attn, ("forward",), acc, "attention")
     model.ops = TimedMethods(model.ops, ("add_rms_norm", "rope_qkv", "silu_mul"), acc, "elementwise")
 
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.layers.parameters()) + model.lm_head.numel() * 2
+    weight_bytes = bf16_weight_bytes(cfg)
     dram = measure_memory_bandwidth(1 << 30, 0.5)
     print(f"host: {cpu_name()}, {torch.get_num_threads()} threads, "
           f"{' '.join(f for f, on in cpu_flags().items() if on)}; DRAM read {dram / 1e9:.0f} GB/s")
