@@ -379,12 +379,53 @@ def _int8_kernels() -> dict[str, Callable[[Any], PackedLinear]]:
     return out
 
 
+# oneDNN's int8 GEMM is a candidate only where it runs within this factor of torch._int_mm's time on a
+# small probe (onednn_int8_probe): its reference loop runs ~1,000x slower.
+ONEDNN_A8_MAX_SLOWDOWN = 20.0
+
+
+def onednn_int8_probe() -> float:
+    """oneDNN's int8 x int8 GEMM time over torch._int_mm's on one small layer (16 rows, 512 x 512, best of
+    3 calls each after one warm-up). Where oneDNN has a fast path for the CPU the two are within a few x
+    (small shapes: call overheads); an AMD Zen 5 with VNNI (session 25) got oneDNN's reference loop: 44 ms
+    for one row of a 576 x 3072 layer against _int_mm's 0.11 ms."""
+    g = torch.Generator().manual_seed(0)
+    weight = quantize_int8(torch.randn(512, 512, generator=g))
+    x = torch.randn(16, 512, generator=g).bfloat16()
+    best: dict[str, float] = {}
+    for name, cls in (("onednn", OneDnnW8A8Linear), ("torch", IntMmW8A8Linear)):
+        kernel = cls(weight)
+        kernel(x)
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            kernel(x)
+            times.append(time.perf_counter() - t0)
+        best[name] = min(times)
+    return best["onednn"] / max(best["torch"], 1e-9)
+
+
+@functools.cache
+def onednn_int8_usable() -> bool:
+    """Whether oneDNN's int8 GEMM is a w8a8 candidate here: VNNI or AMX-INT8 (without VNNI, AVX2 only: AMD
+    Zen 3, its results were measured wrong by more than bf16's rounding: not exact int32 sums, likely its
+    int16 pair sums saturating as vpmaddubsw's do), and not its reference loop (`onednn_int8_probe`)."""
+    vnni = bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(autotune.cpu_info()[1]))
+    if not (vnni and torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")):
+        return False
+    if not hasattr(torch, "_int_mm"):
+        return True
+    slowdown = onednn_int8_probe()
+    if slowdown > ONEDNN_A8_MAX_SLOWDOWN:
+        logger.info("oneDNN's int8 GEMM is not a w8a8 candidate here: %.0fx torch._int_mm's time on the probe "
+                    "(its reference loop)", slowdown)
+        return False
+    return True
+
+
 def _w8a8_kernels() -> dict[str, Callable[[Any], PackedLinear]]:
     out: dict[str, Callable[[Any], PackedLinear]] = {}
-    # Without VNNI (AVX2 only: AMD Zen 3) oneDNN's int8 GEMM was measured wrong by more than bf16's
-    # rounding (not exact int32 sums; likely its int16 pair sums saturating, as vpmaddubsw's do).
-    vnni = bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(autotune.cpu_info()[1]))
-    if vnni and torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise"):
+    if onednn_int8_usable():
         out["onednn-a8"] = OneDnnW8A8Linear
     if hasattr(torch, "_int_mm"):
         out["torch-a8"] = IntMmW8A8Linear
