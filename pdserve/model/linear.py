@@ -47,7 +47,8 @@ on AMX-INT8 / VNNI at twice the bf16 rate. The candidates are the int8 ones abov
 
 - `OneDnnW8A8Linear` ("onednn-a8"): oneDNN's int8 GEMM (`onednn.qlinear_pointwise` on a
   `qlinear_prepack`ed Q, AMX-INT8 where present) with an activation scale of 1 and fp32 output, which the
-  per-row scales then multiply (oneDNN's quantized linear takes one activation scale per tensor).
+  per-row scales then multiply (oneDNN's quantized linear takes one activation scale per tensor); a
+  candidate only where a probe finds it off its reference loop (`onednn_int8_usable`).
 - `IntMmW8A8Linear` ("torch-a8"): `torch._int_mm` (int8 x int8 -> int32) on Q^T, rescaled in fp32.
 
 so a w8a8 row bucket picks an int8 x int8 kernel only where it measures faster than the weight-only ones.
