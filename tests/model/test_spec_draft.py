@@ -183,8 +183,10 @@ def test_bf16_engine_prices_speculation_by_its_kernel_tables(tiny_weights, promp
         return LLM(dtype="bfloat16", device="cpu", model_config=TINY, weights=tiny_weights, num_blocks=128,
                    block_size=4, kernel_cache_dir=str(tmp_path), **kw)
 
-    # The reference asks for logprobs only to judge a divergence: its argmax is the plain path's.
-    reference = llm().generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2),
+    # The reference asks for logprobs only to judge a divergence: its argmax is the plain path's. Top 5: a
+    # random tiny model has three-way near-ties (two tokens at exactly -4.6033 and the flipped one beside
+    # them, host G, session 25), and `assert_greedy_close` still bounds the gap by BF16_TIE.
+    reference = llm().generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5),
                                use_tqdm=False)
     cfg, w = first_layers(TINY, tiny_weights, 1)
     spec_llm = llm(speculative_config=DRAFT, draft_model_config=cfg, draft_weights=w)
