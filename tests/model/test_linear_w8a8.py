@@ -178,6 +178,9 @@ def make_llm(tiny_weights, **kw):  # type: ignore[no-untyped-def]
                dtype="bfloat16", device="cpu", **kw)
 
 
+LOGPROB_TOL = 0.15  # per-token activation and per-channel weight scales on the tiny model: 0.064 measured (host G)
+
+
 @pytest.mark.parametrize("kernel", ["onednn", "torch"])
 def test_engine_w8a8_greedy_is_close_to_bf16(tiny_weights, kernel):
     from pdserve import SamplingParams
@@ -186,7 +189,7 @@ def test_engine_w8a8_greedy_is_close_to_bf16(tiny_weights, kernel):
     if f"{kernel}-a8" not in KERNELS:
         pytest.skip(f"no {kernel} int8 x int8 kernel here")
     prompts = random_prompts(4, 4, 40, seed=9)
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
     # the bf16 reference pinned: measured per bucket on a loaded host, its kernels (and roundings) vary
     bf16 = make_llm(tiny_weights, weight_dtype="auto", linear_kernel="torch")
     w8a8 = make_llm(tiny_weights, weight_dtype="w8a8", linear_kernel=kernel)
@@ -194,16 +197,22 @@ def test_engine_w8a8_greedy_is_close_to_bf16(tiny_weights, kernel):
     assert plan is not None and plan.weight_dtype == "w8a8"
     assert all(type(p) is KERNELS[f"{kernel}-a8"] for ps in plan.packed.values() for p in ps)
     outs = [llm.generate(prompts, params, use_tqdm=False) for llm in (bf16, w8a8)]
-    agree = total = 0
+    # A random tiny model's next-token distribution is nearly flat (top 5 within ~0.4 nats), so how long
+    # the two greedy runs agree says little (30 to 39 of 64 tokens across hosts). What w8a8 must keep:
+    # each logprob within LOGPROB_TOL of bf16's, hence greedy equal up to a first difference at which
+    # w8a8's token is one the reference scored within 2 * LOGPROB_TOL of its own argmax.
     for a, b in zip(*outs):
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
         assert len(tb) == 16
-        total += len(ta)
-        agree += next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
-        first_a, first_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
-        for tok in first_a.keys() & first_b.keys():
-            assert first_a[tok] == pytest.approx(first_b[tok], abs=0.15)
-    assert agree >= 0.5 * total
+        i = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
+        for pos in range(min(i + 1, len(ta))):  # the shared prefix and the first difference: same context
+            ref, got = a.outputs[0].logprobs[pos], b.outputs[0].logprobs[pos]
+            for tok in ref.keys() & got.keys():
+                assert got[tok] == pytest.approx(ref[tok], abs=LOGPROB_TOL), (pos, tok)
+        if i < len(ta):
+            top = a.outputs[0].logprobs[i]
+            assert tb[i] in top, f"position {i}: token {tb[i]} is not among bf16's top {sorted(top)}"
+            assert top[ta[i]] - top[tb[i]] <= 2 * LOGPROB_TOL, f"position {i}: not a near-tie {top}"
 
 
 def test_w8a8_errors_are_clear(tiny_weights):
