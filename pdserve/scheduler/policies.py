@@ -14,6 +14,7 @@ unconditionally: no probing for attributes, no `isinstance`.
 
 from __future__ import annotations
 
+import abc
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -42,7 +43,7 @@ class StepPlan:
     admit_order: tuple[Request, ...] | None = None
 
 
-class Policy:
+class Policy(abc.ABC):
     """A scheduling policy. Subclasses implement `plan` and override the hooks they need. Every policy is
     built the same way (`make_policy`): from the scheduler's config and its clock."""
 
@@ -54,9 +55,9 @@ class Policy:
     def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock  # time.monotonic, the clock of `Request.arrival_time`
 
+    @abc.abstractmethod
     def plan(self, running: Sequence[Request], waiting: Sequence[Request]) -> list[StepPlan]:
         """Plans to try in order; the scheduler takes the first that schedules any work."""
-        raise NotImplementedError
 
     def observe_step(
         self, duration: float, num_prefill_tokens: int, num_decode_seqs: int, num_context_tokens: int

@@ -16,7 +16,7 @@ import pytest
 from pdserve.config import SchedulerConfig
 from pdserve.kv.block_manager import BlockManager
 from pdserve.request import FinishReason, Request
-from pdserve.scheduler.policies import POLICIES, Chunked, DecodePriority, PrefillFirst, make_policy
+from pdserve.scheduler.policies import POLICIES, Chunked, DecodePriority, Policy, PrefillFirst, make_policy
 from pdserve.scheduler.scheduler import Scheduler, SchedulerOutput
 from tests.support.scheduler_driver import Driver, assert_all_freed, expected_output, make_req, random_arrivals
 
@@ -302,6 +302,15 @@ def test_cli_flags_reach_scheduler_config() -> None:
 
 
 # ---- the Policy base class: hooks without probing -------------------------------------------------
+
+
+def test_a_policy_without_a_plan_cannot_be_built():
+    class NoPlan(Policy):
+        name = "no-plan"
+
+    for cls in (Policy, NoPlan):
+        with pytest.raises(TypeError, match="abstract"):
+            cls(SchedulerConfig())
 
 
 class _Counting(Chunked):
