@@ -4,6 +4,10 @@ sampling, batch building, Python), at a few batch sizes of decoding sequences.
 
     .venv/bin/python benchmarks/decode_breakdown.py [--batches 1,10,80] [--context 300] [--steps 24]
     .venv/bin/python benchmarks/decode_breakdown.py --sharegpt-at 30,150,500,1000 [--steps 10]
+    .venv/bin/python benchmarks/decode_breakdown.py --kv-cache-dtypes bfloat16,int8 --batches 16 --context 2048
+
+`--kv-cache-dtypes` runs one engine per KV dtype, one after the other, on the same prompts, and prints
+each part's time ratio against the first: where a quantized cache's step time goes besides attention.
 
 The second form runs the offline benchmark's workload (200 ShareGPT requests, seed 0, ignore_eos) and
 times `--steps` steps from each listed step on: the batch as it really is, blocks scattered over the
@@ -99,18 +103,15 @@ def sharegpt_rows(eng, acc: dict, marks: list[int], steps: int, weight_bytes: in
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--batches", default="1,10,80")
-    ap.add_argument("--context", type=int, default=300, help="prompt tokens per sequence before decoding")
-    ap.add_argument("--steps", type=int, default=24, help="decode steps timed per batch size")
-    ap.add_argument("--sharegpt-at", default=None, help="time the ShareGPT run from these step numbers instead")
-    ap.add_argument("--linear-kernel", default="auto")
-    ap.add_argument("--out", default="results/decode_breakdown.json")
-    args = ap.parse_args()
+MAX_TOKENS = 1024  # per sequence of the --batches form: more than its prompts' mixed steps and the timed ones
 
-    llm = LLM(model=args.model, dtype="bfloat16", linear_kernel=args.linear_kernel, max_num_seqs=256)
+
+def measure(args, kv_dtype: str, rng: random.Random) -> tuple[list[dict], int]:  # type: ignore[no-untyped-def]
+    """One engine with `kv_dtype`'s cache: its rows and the bf16 weight bytes a step streams."""
+    max_len = args.context + MAX_TOKENS
+    llm = LLM(model=args.model, dtype="bfloat16", linear_kernel=args.linear_kernel, max_num_seqs=256,
+              kv_cache_dtype=kv_dtype, kv_cache_memory_gb=args.kv_cache_memory_gb,
+              max_model_len=max(2048, max_len))
     eng = llm.engine
     model, cfg = eng.model, eng.model_config
     acc: dict[str, float] = defaultdict(float)
@@ -122,48 +123,87 @@ def main() -> None:
     model.ops = TimedMethods(model.ops, ("add_rms_norm", "rope_qkv", "silu_mul"), acc, "elementwise")
 
     weight_bytes = bf16_weight_bytes(cfg)
-    dram = measure_memory_bandwidth(1 << 30, 0.5)
-    print(f"host: {cpu_name()}, {torch.get_num_threads()} threads, "
-          f"{' '.join(f for f, on in cpu_flags().items() if on)}; DRAM read {dram / 1e9:.0f} GB/s")
+    layout = eng.kv_layout
+    kv_bytes_per_token = layout.block_bytes / layout.block_size  # scales included
+    print(f"{kv_dtype}: {layout.describe()}; {eng.kv_cache.num_blocks} blocks of {layout.block_size} tokens")
     plan = model.linear_plan
     print(plan.describe() if plan is not None else "linears: plain F.linear")
-    rng = random.Random(0)
-    rows = []
     if args.sharegpt_at:
-        rows = sharegpt_rows(eng, acc, [int(x) for x in args.sharegpt_at.split(",")], args.steps, weight_bytes,
-                             cfg.kv_bytes_per_token)
-    for b in [int(x) for x in args.batches.split(",")] if not args.sharegpt_at else []:
+        return sharegpt_rows(eng, acc, [int(x) for x in args.sharegpt_at.split(",")], args.steps, weight_bytes,
+                             kv_bytes_per_token), weight_bytes
+    rows = []
+    for b in [int(x) for x in args.batches.split(",")]:
         eng.block_manager.reset_prefix_cache()
+        # The first sequences decode while the others' prompts are still chunked in (mixed steps): room
+        # for every sequence to keep running through the timed steps; aborted after them.
+        ids = []
         for _ in range(b):
             prompt = [rng.randrange(100, cfg.vocab_size) for _ in range(args.context)]
-            eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=args.steps + 3, ignore_eos=True))
+            ids.append(eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)))
         while eng.scheduler.waiting or any(r.is_prefill for r in eng.scheduler.running):
             eng.step()
         eng.step()  # warm the decode shape
         acc.clear()
         t0 = time.perf_counter()
-        n = 0
-        while n < args.steps and eng.has_unfinished_requests():
+        for _ in range(args.steps):
             eng.step()
-            n += 1
-        step = (time.perf_counter() - t0) / n
-        parts = {k: acc[k] / n for k in ("linears", "attention", "elementwise")}
-        while eng.has_unfinished_requests():
-            eng.step()
+        step = (time.perf_counter() - t0) / args.steps
+        parts = {k: acc[k] / args.steps for k in ("linears", "attention", "elementwise")}
+        if len(eng.scheduler.running) != b:
+            raise RuntimeError(f"batch {b}: {len(eng.scheduler.running)} sequences ran (KV cache too small? "
+                               f"raise --kv-cache-memory-gb)")
+        for rid in ids:
+            eng.abort_request(rid)
         parts["other"] = step - sum(parts.values())
-        kv_bytes = b * (args.context + 2 + args.steps / 2) * cfg.kv_bytes_per_token
-        rows.append({"batch": b, "step_ms": 1e3 * step, **{f"{k}_ms": 1e3 * v for k, v in parts.items()},
+        kv_bytes = b * (args.context + 2 + args.steps / 2) * kv_bytes_per_token
+        rows.append({"kv_cache_dtype": kv_dtype, "batch": b, "step_ms": 1e3 * step,
+                     **{f"{k}_ms": 1e3 * v for k, v in parts.items()},
                      "weight_gb_per_s": weight_bytes / parts["linears"] / 1e9,
                      "kv_gb_per_s": kv_bytes / parts["attention"] / 1e9, "kv_mb_per_step": kv_bytes / 1e6})
+    return rows, weight_bytes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--batches", default="1,10,80")
+    ap.add_argument("--context", type=int, default=300, help="prompt tokens per sequence before decoding")
+    ap.add_argument("--steps", type=int, default=24, help="decode steps timed per batch size")
+    ap.add_argument("--sharegpt-at", default=None, help="time the ShareGPT run from these step numbers instead")
+    ap.add_argument("--linear-kernel", default="auto")
+    ap.add_argument("--kv-cache-dtypes", default="auto",
+                    help="comma list: one engine each, one after the other, the same batches (e.g. bfloat16,int8)")
+    ap.add_argument("--kv-cache-memory-gb", type=float, default=4.0)
+    ap.add_argument("--out", default="results/decode_breakdown.json")
+    args = ap.parse_args()
+
+    dram = measure_memory_bandwidth(1 << 30, 0.5)
+    print(f"host: {cpu_name()}, {torch.get_num_threads()} threads, "
+          f"{' '.join(f for f, on in cpu_flags().items() if on)}; DRAM read {dram / 1e9:.0f} GB/s")
+    dtypes = args.kv_cache_dtypes.split(",")
+    rows: list[dict] = []
+    for kv_dtype in dtypes:
+        got, weight_bytes = measure(args, kv_dtype, random.Random(0))  # the same prompts for every dtype
+        for r in got:
+            r.setdefault("kv_cache_dtype", kv_dtype)
+        rows += got
     where = (f"ShareGPT run, {args.steps} steps from steps {args.sharegpt_at} (batch = running sequences)"
              if args.sharegpt_at else f"context {args.context} tokens per sequence")
     print(f"weights {weight_bytes / 1e6:.0f} MB per step; {where}")
-    print(f"{'batch':>5} {'step ms':>8} {'linears':>8} {'W GB/s':>7} {'attn':>7} {'KV MB':>6} {'KV GB/s':>8} "
-          f"{'elemwise':>8} {'other':>7}")
+    print(f"{'kv':>9} {'batch':>5} {'step ms':>8} {'linears':>8} {'W GB/s':>7} {'attn':>7} {'KV MB':>6} "
+          f"{'KV GB/s':>8} {'elemwise':>8} {'other':>7}")
     for r in rows:
-        print(f"{r['batch']:>5} {r['step_ms']:>8.1f} {r['linears_ms']:>8.1f} {r['weight_gb_per_s']:>7.1f} "
-              f"{r['attention_ms']:>7.1f} {r['kv_mb_per_step']:>6.0f} {r['kv_gb_per_s']:>8.1f} "
-              f"{r['elementwise_ms']:>8.1f} {r['other_ms']:>7.1f}")
+        print(f"{r['kv_cache_dtype']:>9} {r['batch']:>5} {r['step_ms']:>8.1f} {r['linears_ms']:>8.1f} "
+              f"{r['weight_gb_per_s']:>7.1f} {r['attention_ms']:>7.1f} {r['kv_mb_per_step']:>6.0f} "
+              f"{r['kv_gb_per_s']:>8.1f} {r['elementwise_ms']:>8.1f} {r['other_ms']:>7.1f}")
+    if len(dtypes) > 1 and not args.sharegpt_at:
+        base = {r["batch"]: r for r in rows if r["kv_cache_dtype"] == dtypes[0]}
+        print(f"x {dtypes[0]} (its time / this one's), per part:")
+        for r in rows:
+            if r["kv_cache_dtype"] != dtypes[0]:
+                b0 = base[r["batch"]]
+                print(f"{r['kv_cache_dtype']:>9} {r['batch']:>5} " + " ".join(
+                    f"{k} {b0[k + '_ms'] / r[k + '_ms']:.2f}x" for k in ("step", "linears", "attention", "elementwise", "other")))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"host": {"cpu": cpu_name(), "flags": cpu_flags(), "dram_bandwidth": dram,
