@@ -389,20 +389,29 @@ def onednn_int8_probe() -> float:
     """oneDNN's int8 x int8 GEMM time over torch._int_mm's on one small layer (16 rows, 512 x 512, best of
     3 calls each after one warm-up). Where oneDNN has a fast path for the CPU the two are within a few x
     (small shapes: call overheads); an AMD Zen 5 with VNNI (session 25) got oneDNN's reference loop: 44 ms
-    for one row of a 576 x 3072 layer against _int_mm's 0.11 ms."""
+    for one row of a 576 x 3072 layer against _int_mm's 0.11 ms.
+
+    One thread: with the cores busy (another process on both), a parallel call waits for a descheduled
+    worker at every barrier, and both kernels then took ~15-80 ms (a scheduler quantum), a ratio of ~5
+    whatever the kernel (session 26); one thread only shares its core."""
     g = torch.Generator().manual_seed(0)
     weight = quantize_int8(torch.randn(512, 512, generator=g))
     x = torch.randn(16, 512, generator=g).bfloat16()
     best: dict[str, float] = {}
-    for name, cls in (("onednn", OneDnnW8A8Linear), ("torch", IntMmW8A8Linear)):
-        kernel = cls(weight)
-        kernel(x)
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for name, cls in (("onednn", OneDnnW8A8Linear), ("torch", IntMmW8A8Linear)):
+            kernel = cls(weight)
             kernel(x)
-            times.append(time.perf_counter() - t0)
-        best[name] = min(times)
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                kernel(x)
+                times.append(time.perf_counter() - t0)
+            best[name] = min(times)
+    finally:
+        torch.set_num_threads(threads)
     return best["onednn"] / max(best["torch"], 1e-9)
 
 

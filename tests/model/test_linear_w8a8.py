@@ -6,6 +6,8 @@ timings), keyed apart from int8; `--linear-kernel` naming; and the engine's gree
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -49,14 +51,17 @@ def test_onednn_a8_is_no_candidate_where_it_runs_its_reference_loop(monkeypatch)
     25), it is neither pinned nor timed: the probe's ratio decides, on every host."""
     vnni = bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(autotune.cpu_info()[1]))
     library = vnni and torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
-    for ratio, expected in ((400.0, False), (1.5, library)):
-        monkeypatch.setattr(linear, "onednn_int8_probe", lambda r=ratio: r)
-        linear.onednn_int8_usable.cache_clear()
-        try:
+    before = linear.onednn_int8_usable()  # this host's answer, which KERNELS (above) was built from
+    try:
+        for ratio, expected in ((400.0, False), (1.5, library)):
+            monkeypatch.setattr(linear, "onednn_int8_probe", lambda r=ratio: r)
+            linear.onednn_int8_usable.cache_clear()
             assert ("onednn-a8" in available_kernels("w8a8")) == expected, ratio
             assert "torch-a8" in available_kernels("w8a8")
-        finally:
-            linear.onednn_int8_usable.cache_clear()
+    finally:  # the cache left holding `before`, not a fresh probe's answer (the later tests use KERNELS)
+        monkeypatch.setattr(linear, "onednn_int8_probe", lambda: 1.0 if before else math.inf)
+        linear.onednn_int8_usable.cache_clear()
+        assert linear.onednn_int8_usable() == before
 
 
 def test_quantize_rows_edge_cases():
