@@ -36,7 +36,7 @@ DECODE_ROWS = 64  # buckets up to this many rows count as decode-sized (the batc
 # bucket (and some ops at 256-512 rows) by 1-3%, and the offline run went at 0.93-0.98x the speed of
 # `--linear-kernel pdserve` (session 24).
 WIN_MARGIN = 0.05
-CACHE_VERSION = 1  # bump when the table's meaning changes: old files then miss
+CACHE_VERSION = 2  # bump when the table's meaning or its measurement changes: old files then miss (2: two sweeps)
 
 Pass = Sequence[tuple[str, Callable[[], object]]]  # one forward's op calls, in order
 Timer = Callable[[], float]
@@ -154,7 +154,7 @@ def time_pass(calls: Pass, repeats: int, timer: Timer) -> dict[str, float]:
     return per_op(calls, time_calls(calls, repeats, timer))[0]
 
 
-def per_op(calls: Pass, times: list[list[float]]) -> tuple[dict[str, float], float]:
+def per_op(calls: Sequence[tuple[str, object]], times: list[list[float]]) -> tuple[dict[str, float], float]:
     """(best seconds per op, how disturbed the passes were): the second is the pass's summed median per
     call over its summed best per call; near 1 on a quiet machine, several when other processes held
     the cores through most passes (then even the best is suspect)."""
@@ -189,33 +189,69 @@ def tune(
     repeats: int = 5,
     timer: Timer = time.perf_counter,
     give_up: float = 2.0,
+    rounds: int = 2,
 ) -> TuneTable:
     """Time every candidate at every bucket. `prepare(name)` builds a candidate (packs its weights) and
     returns `pass_for(rows)`; the candidate is dropped before the next is built, so at most one extra
-    copy of the weights exists at a time. A candidate that is `give_up` times slower than the best
-    already timed on every op at two buckets in a row is not timed at larger ones (its time only grows
-    relative to a compute-bound kernel's), which keeps a first start short. An op missing from a
-    candidate's pass (it cannot run that shape) counts as inf. The table's `noise` is the worst
-    median-over-best spread of any pass (`per_op`)."""
+    copy of the weights exists at a time.
+
+    A shared host's speed drifts: a neighbour takes memory bandwidth for tens of seconds, and a candidate
+    timed only inside such a window loses to one timed outside it (host G, session 26: the same one-row
+    pass over a 1.5B model's weights took 44-75 ms within minutes, and which of two kernels was faster
+    depended on the stretch; docs/architecture.md, "How kernels are chosen"). So
+    the candidates are timed in `rounds` sweeps, each in the reverse order of the one before (a, b, c,
+    then c, b, a: the candidate at the turn is not rebuilt), `ceil(repeats / rounds)` passes per sweep,
+    and a cell keeps each call's best over all sweeps.
+
+    A candidate that is `give_up` times slower than the best already timed on every op at two buckets in
+    a row (in the first sweep) is not timed at larger ones (its time only grows relative to a
+    compute-bound kernel's), which keeps a first start short. An op missing from a candidate's pass (it
+    cannot run that shape) counts as inf. The table's `noise` is the worst median-over-best spread of any
+    sweep's passes (`per_op`)."""
     n = len(buckets)
-    seconds: dict[str, dict[str, list[float]]] = {op: {} for op in ops}
+    per_round = max(1, math.ceil(repeats / max(1, rounds)))
+    first: dict[str, dict[str, list[float]]] = {op: {} for op in ops}  # the first sweep's times (give_up)
+    timed: dict[str, int] = {}  # buckets the first sweep timed per candidate
+    passes: dict[tuple[str, int], list[list[float]]] = {}  # (candidate, bucket) -> every pass's call times
+    names: dict[tuple[str, int], list[tuple[str, None]]] = {}  # (candidate, bucket) -> the pass's ops
     noise = 1.0
+    current: tuple[str, Callable[[int], Pass]] | None = None
+    for r in range(max(1, rounds)):
+        for name in candidates if r % 2 == 0 else candidates[::-1]:
+            if current is None or current[0] != name:
+                current = None  # the previous candidate's packed weights go before the next is built
+                current = (name, prepare(name))
+            pass_for = current[1]
+            row = {op: [math.inf] * n for op in ops}
+            behind = 0
+            for i in range(n if r == 0 else timed[name]):
+                calls = pass_for(buckets[i])
+                times = time_calls(calls, per_round, timer)
+                best, spread = per_op(calls, times)
+                noise = max(noise, spread)
+                passes.setdefault((name, i), []).extend(times)
+                names[(name, i)] = [(op, None) for op, _ in calls]
+                del calls
+                if r > 0:
+                    continue
+                timed[name] = i + 1
+                for op, sec in best.items():
+                    row[op][i] = sec
+                best_other = {op: min((t[i] for t in first[op].values()), default=math.inf) for op in ops}
+                slow = all(row[op][i] >= give_up * best_other[op] for op in ops)
+                behind = behind + 1 if slow else 0
+                if behind >= 2:
+                    break
+            if r == 0:
+                for op in ops:
+                    first[op][name] = row[op]
+    current = None
+    seconds: dict[str, dict[str, list[float]]] = {op: {} for op in ops}
     for name in candidates:
-        pass_for = prepare(name)
         row = {op: [math.inf] * n for op in ops}
-        behind = 0
-        for i, rows in enumerate(buckets):
-            calls = pass_for(rows)
-            best, spread = per_op(calls, time_calls(calls, repeats, timer))
-            noise = max(noise, spread)
-            for op, s in best.items():
-                row[op][i] = s
-            best_other = {op: min((t[i] for t in seconds[op].values()), default=math.inf) for op in ops}
-            slow = all(row[op][i] >= give_up * best_other[op] for op in ops)
-            behind = behind + 1 if slow else 0
-            if behind >= 2:
-                break
-        del pass_for, calls  # the candidate's packed weights go before the next is built
+        for i in range(timed[name]):
+            for op, sec in per_op(names[(name, i)], passes[(name, i)])[0].items():
+                row[op][i] = sec
         for op in ops:
             seconds[op][name] = drop_spikes(row[op])
     return TuneTable(tuple(buckets), seconds, tuple(candidates), noise=noise)

@@ -99,6 +99,36 @@ def test_tune_stops_timing_a_hopeless_candidate():
     assert table.winners("op") == ["fast"] * 5
 
 
+def test_tune_sweeps_both_ways_so_a_slow_phase_does_not_pick_the_winner():
+    """Two equal kernels on a host that runs at half speed for its first stretch (a neighbour on the memory
+    bus). Timed one after the other, the first looks 2x slower; in two sweeps (a, b, then b, a) each gets
+    a pass outside the slow stretch, the two tie and the earlier keeps the bucket."""
+    clock = FakeClock()
+    n = {"calls": 0}
+
+    def cost(rows: int) -> float:
+        n["calls"] += 1
+        return 1e-3 * (2.0 if n["calls"] <= 40 else 1.0)
+
+    costs = {"a": {"op": cost}, "b": {"op": cost}}
+    log: list = []
+    once = tune(["a", "b"], fake_prepare(clock, costs), ["op"], buckets=(1, 2), timer=clock, rounds=1, repeats=6)
+    assert once.winners("op") == ["b", "b"]  # the drift decided
+    n["calls"] = 0
+    built: list[str] = []
+
+    def counting_prepare(name: str):
+        built.append(name)
+        return fake_prepare(clock, costs, log=log)(name)
+
+    both = tune(["a", "b"], counting_prepare, ["op"], buckets=(1, 2), timer=clock, rounds=2, repeats=6)
+    assert both.winners("op") == ["a", "a"]
+    assert both.seconds["op"]["a"] == both.seconds["op"]["b"] == [pytest.approx(3e-3)] * 2
+    assert built == ["a", "b", "a"]  # b, at the turn, is timed twice on one build
+    # 3 layers x (1 warm-up + 3 timed passes) per candidate, bucket and sweep
+    assert sum(1 for name, _, rows in log if name == "a" and rows == 1) == 2 * 3 * 4
+
+
 def test_an_op_a_candidate_cannot_run_never_goes_to_it():
     clock = FakeClock()
     costs = {"a": {"x": lambda r: 1.0, "y": lambda r: 1.0}, "b": {"x": lambda r: 0.1}}  # b cannot run y
