@@ -15,7 +15,11 @@ prompt's fresh K/V and every later read see the rounded values, as with an int8 
   `kv-int8`, which checks both the emulation and the cache: the script says whether every position's KL
   is equal;
 - `kv-int8-sym`: the symmetric int8 the cache stored before (one float32 scale = max|x| / 127 per row);
-- `kv-int8-g32`: symmetric with a float16 scale per 32 channels.
+- `kv-int8-g32`: symmetric with a float16 scale per 32 channels;
+- `kv-int8-k-channel`: the cache's int8 rows, K first divided by a power of two per channel (the pair a
+  rotate-half RoPE mixes sharing one) that brings each channel's largest |k| in the layer's first call
+  near its head's median channel, and multiplied back: what storing K / a and multiplying the queries
+  by a would compute (exactly, powers of two), a per-channel treatment of keys in int8's own bytes.
 
 The figures are teacher-forced as in benchmarks/accuracy.py (same conversations, same chunking):
 mean and p99 KL(bf16 || option), top-1 agreement, and the mean KL by context length.
@@ -87,6 +91,32 @@ class RoundedKV(TorchAttention):
         return super().forward(q, k, v, cache, meta, scale)
 
 
+def channel_powers(k: torch.Tensor) -> torch.Tensor:
+    """[kv heads, head_dim] powers of two that bring each channel's largest |k| over the rows of `k`
+    ([tokens, kv heads, head_dim]) near its head's median channel: 2^round(log2(max / median)), the two
+    channels a rotate-half RoPE mixes (c and c + head_dim / 2) sharing one, so the scaling commutes with
+    the rotation and is exact in bf16."""
+    amax = k.float().abs().amax(0)  # [kv heads, D]
+    half = amax.shape[-1] // 2
+    pair = torch.maximum(amax[:, :half], amax[:, half:]).clamp_min(1e-6)
+    ref = pair.median(-1, keepdim=True).values
+    power = torch.exp2(torch.round(torch.log2(pair / ref)))
+    return torch.cat([power, power], -1)
+
+
+class PerChannelKV(TorchAttention):
+    """int8 K and V as the cache stores them, K first divided per channel by `channel_powers` of the
+    layer's first call (the first prompt chunks: a calibration of 256 rows) and multiplied back after,
+    which is what storing K / a and multiplying the queries by a computes (exactly: powers of two)."""
+
+    def __init__(self) -> None:
+        self.powers: dict[int, torch.Tensor] = {}
+
+    def forward(self, q, k, v, cache, meta, scale):  # type: ignore[no-untyped-def]
+        a = self.powers.setdefault(cache.k.data_ptr(), channel_powers(k)).to(k.dtype)
+        return super().forward(q, int8_cache(k / a) * a, int8_cache(v), cache, meta, scale)
+
+
 ROUNDED: dict[str, tuple[Rounding | None, Rounding | None]] = {
     "k-int8": (int8_cache, None),
     "v-int8": (None, int8_cache),
@@ -108,10 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     base = base_config(args.model, max_total_len=args.max_total_len, max_tokens=0,
                        max_num_seqs=args.batch_size, seed=args.seed)
     ref = {"dtype": "bfloat16", "attention_backend": "torch"}
-    options = {"bf16": ref, "kv-int8": {**ref, "kv_cache_dtype": "int8"}, **{n: ref for n in ROUNDED}}
+    options = {"bf16": ref, "kv-int8": {**ref, "kv_cache_dtype": "int8"}, **{n: ref for n in ROUNDED},
+               "kv-int8-k-channel": ref}
     engines = build_engines(base, options)
     for name, (k_fn, v_fn) in ROUNDED.items():
         engines[name].runner.attn = RoundedKV(k_fn, v_fn)
+    engines["kv-int8-k-channel"].runner.attn = PerChannelKV()
     convs = sample_conversations(engines["bf16"].tokenizer, args.num_prompts, args.seed,  # type: ignore[arg-type]
                                  max_total_len=args.max_total_len)
     stats = score_teacher_forced(engines, "bf16", convs, args.chunk, args.batch_size)
