@@ -143,6 +143,7 @@ def measure(args, kv_dtype: str, rng: random.Random) -> tuple[list[dict], int]: 
         while eng.scheduler.waiting or any(r.is_prefill for r in eng.scheduler.running):
             eng.step()
         eng.step()  # warm the decode shape
+        ctx = sum(r.num_computed_tokens for r in eng.scheduler.running)  # the first ones decoded meanwhile
         acc.clear()
         t0 = time.perf_counter()
         for _ in range(args.steps):
@@ -155,7 +156,7 @@ def measure(args, kv_dtype: str, rng: random.Random) -> tuple[list[dict], int]: 
         for rid in ids:
             eng.abort_request(rid)
         parts["other"] = step - sum(parts.values())
-        kv_bytes = b * (args.context + 2 + args.steps / 2) * kv_bytes_per_token
+        kv_bytes = (ctx + b * args.steps / 2) * kv_bytes_per_token
         rows.append({"kv_cache_dtype": kv_dtype, "batch": b, "step_ms": 1e3 * step,
                      **{f"{k}_ms": 1e3 * v for k, v in parts.items()},
                      "weight_gb_per_s": weight_bytes / parts["linears"] / 1e9,

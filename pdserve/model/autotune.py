@@ -222,7 +222,7 @@ def tune(
                 current = None  # the previous candidate's packed weights go before the next is built
                 current = (name, prepare(name))
             pass_for = current[1]
-            row = {op: [math.inf] * n for op in ops}
+            row = {op: [math.inf] * n for op in ops}  # the first sweep's, for give_up
             behind = 0
             for i in range(n if r == 0 else timed[name]):
                 calls = pass_for(buckets[i])
