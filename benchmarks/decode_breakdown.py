@@ -129,8 +129,9 @@ def measure(args, kv_dtype: str, rng: random.Random) -> tuple[list[dict], int]: 
     plan = model.linear_plan
     print(plan.describe() if plan is not None else "linears: plain F.linear")
     if args.sharegpt_at:
-        return sharegpt_rows(eng, acc, [int(x) for x in args.sharegpt_at.split(",")], args.steps, weight_bytes,
-                             kv_bytes_per_token), weight_bytes
+        marks = [int(x) for x in args.sharegpt_at.split(",")]
+        got = sharegpt_rows(eng, acc, marks, args.steps, weight_bytes, kv_bytes_per_token)
+        return [{"kv_cache_dtype": kv_dtype, **r} for r in got], weight_bytes
     rows = []
     for b in [int(x) for x in args.batches.split(",")]:
         eng.block_manager.reset_prefix_cache()
@@ -185,8 +186,6 @@ def main() -> None:
     rows: list[dict] = []
     for kv_dtype in dtypes:
         got, weight_bytes = measure(args, kv_dtype, random.Random(0))  # the same prompts for every dtype
-        for r in got:
-            r.setdefault("kv_cache_dtype", kv_dtype)
         rows += got
     where = (f"ShareGPT run, {args.steps} steps from steps {args.sharegpt_at} (batch = running sequences)"
              if args.sharegpt_at else f"context {args.context} tokens per sequence")
