@@ -5,7 +5,8 @@ the same bytes (docs/accuracy.md, "Where int8 KV's KL comes from").
         [--options k-int8,v-int8,kv-int8-asym,kv-int8-sym,kv-int8-g32,kv-int8-k-channel]
 
 Every engine runs the torch reference attention in bf16. `kv-int8` stores an int8 cache (kv/quant.py:
-asymmetric, a float16 scale and zero per token and kv head). The others keep a bf16 cache and round K
+asymmetric, a float16 scale and zero per token and kv head) of unscaled keys (`--kv-key-scaling off`:
+the engine's own key scaling, model/key_scales.py, is what `kv-int8-k-channel` measured before it). The others keep a bf16 cache and round K
 and/or V on their way into attention (`RoundedKV`, an attention backend of this script's own, so the
 prompt's fresh K/V and every later read see the rounded values, as with an int8 cache):
 
@@ -145,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     chosen = emulated if args.options is None else args.options.split(",")
     if unknown := set(chosen) - set(emulated):
         ap.error(f"unknown options {sorted(unknown)}; choose from {emulated}")
-    options = {"bf16": ref, "kv-int8": {**ref, "kv_cache_dtype": "int8"}, **{n: ref for n in chosen}}
+    int8 = {**ref, "kv_cache_dtype": "int8", "kv_key_scaling": "off"}
+    options = {"bf16": ref, "kv-int8": int8, **{n: ref for n in chosen}}
     engines = build_engines(base, options)
     for name in chosen:
         engines[name].runner.attn = PerChannelKV() if name == "kv-int8-k-channel" else RoundedKV(*ROUNDED[name])

@@ -15,6 +15,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         ATTENTION_BACKENDS,
         DTYPES,
         KV_CACHE_DTYPES,
+        KV_KEY_SCALING,
         LINEAR_KERNELS,
         PREEMPTION_MODES,
         SCHEDULER_POLICIES,
@@ -57,6 +58,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     arg(g, "--kv-cache-memory-gb", CacheConfig, "kv_cache_memory_gb")
     arg(g, "--kv-cache-dtype", CacheConfig, "kv_cache_dtype", choices=KV_CACHE_DTYPES,
         help="how K/V are stored: auto (the model's dtype), int8 / fp8_e4m3 with a scale per token and kv head, or int4 (KIVI)")
+    arg(g, "--kv-key-scaling", CacheConfig, "kv_key_scaling", choices=KV_KEY_SCALING,
+        help="int8 / fp8 KV: per-channel powers of two for the keys, folded into the q/k projections (exact): "
+             "auto where a calibration at start shows they cut the keys' error, on in every layer, off")
     g.add_argument("--no-prefix-caching", action="store_true")
     arg(g, "--num-threads", EngineConfig, "num_threads", type=int)
     arg(g, "--attention-backend", EngineConfig, "attention_backend", choices=("auto", *ATTENTION_BACKENDS))
@@ -160,6 +164,7 @@ def engine_config(args: argparse.Namespace, num_threads: int | None = None):  # 
             enable_prefix_caching=not args.no_prefix_caching,
             swap_space_gb=args.swap_space,
             kv_cache_dtype=args.kv_cache_dtype,
+            kv_key_scaling=args.kv_key_scaling,
         ),
         scheduler=SchedulerConfig(
             policy=args.scheduler,

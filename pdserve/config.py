@@ -87,6 +87,9 @@ class ModelConfig:
 
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "fp8_e4m3", "int4")
+# int8 / fp8 caches: per-channel powers of two for the keys, folded into the q/k projections
+# (model/key_scales.py). auto: the layers where a calibration shows they help; on: every layer; off: none.
+KV_KEY_SCALING = ("auto", "on", "off")
 
 
 def default_block_size(device_type: str, kv_cache_dtype: str = "auto") -> int:
@@ -111,6 +114,7 @@ class CacheConfig:
     # scale per token and kv head; int4 (kv/int4.py, KIVI: keys per channel within a block, values per
     # token, the newest tokens kept unquantized until their block fills; not with disaggregation yet).
     kv_cache_dtype: str = "auto"
+    kv_key_scaling: str = "auto"  # int8 / fp8 only: KV_KEY_SCALING
 
     def __post_init__(self) -> None:
         if self.block_size is not None and self.block_size < 1:
@@ -123,6 +127,8 @@ class CacheConfig:
             raise ValueError("swap_space_gb must be >= 0")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose from {list(KV_CACHE_DTYPES)}")
+        if self.kv_key_scaling not in KV_KEY_SCALING:
+            raise ValueError(f"unknown kv_key_scaling {self.kv_key_scaling!r}; choose from {list(KV_KEY_SCALING)}")
 
 
 PREEMPTION_MODES = ("recompute", "swap")

@@ -34,6 +34,7 @@ class LLM:
         block_size: int | None = _default(CacheConfig, "block_size"),
         kv_cache_memory_gb: float = _default(CacheConfig, "kv_cache_memory_gb"),
         kv_cache_dtype: str = _default(CacheConfig, "kv_cache_dtype"),
+        kv_key_scaling: str = _default(CacheConfig, "kv_key_scaling"),
         num_blocks: int | None = None,
         enable_prefix_caching: bool = _default(CacheConfig, "enable_prefix_caching"),
         num_threads: int | None = None,
@@ -54,7 +55,9 @@ class LLM:
         """`model` is a .gguf file or a Hugging Face directory (None: the bundled SmolLM2-135M-Instruct).
         `model_config` + `weights` (+ `tokenizer`) build an engine from in-memory weights instead (tests).
         `kv_cache_dtype`: how K/V are stored ("auto" = the model's dtype; "int8", "fp8_e4m3" quantized;
-            "int4": KIVI, docs/kv_quantization.md).
+            "int4": KIVI, docs/kv_quantization.md). `kv_key_scaling` (int8 / fp8): per-channel powers of
+            two for the keys folded into the q/k projections, "auto" where a calibration shows they help,
+            "on" every layer, "off" none (model/key_scales.py).
         `speculative_config`: speculative decoding in vLLM's convention (see `SpeculativeConfig`);
         `draft_model_config` + `draft_weights`: its "draft" method's model from memory (tests).
         `weight_dtype="int8"`: the projections and output head quantized per output channel (CPU, bf16
@@ -82,6 +85,7 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching,
                 swap_space_gb=swap_space_gb,
                 kv_cache_dtype=kv_cache_dtype,
+                kv_key_scaling=kv_key_scaling,
             ),
             scheduler=SchedulerConfig(
                 policy=scheduler,

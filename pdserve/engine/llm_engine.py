@@ -16,6 +16,8 @@ from pdserve.transfer.connector import KVConnector
 from pdserve.engine.loop import EngineLoop, StepRecord
 from pdserve.kv.block_manager import BlockManager, HostBlockPool
 from pdserve.kv.cache import KVCache, KVLayout
+from pdserve.kv.quant import QUANT_DTYPES
+from pdserve.model.key_scales import KeyScales, calibrate, calibration_ids
 from pdserve.model.llama import LlamaModel
 from pdserve.runner.model_runner import ModelRunner
 from pdserve.scheduler import Scheduler, make_policy
@@ -120,16 +122,18 @@ class LLMEngine(EngineLoop):
         self.model_config: ModelConfig = model_config
         self.tokenizer = tokenizer
         quantized = self._check_weight_dtype(config.weight_dtype)
-        self.model = self._build_model(model_config, weights, quantized, consume=loaded)
+        cc = config.cache
+        self.key_scales: KeyScales | None = None  # set by _build_model where the keys are scaled
+        self.model = self._build_model(model_config, weights, quantized, consume=loaded, kv_cache_dtype=cc.kv_cache_dtype)
         del weights
 
         sc = config.scheduler
         self.max_model_len = min(sc.max_model_len, model_config.max_position_embeddings)
-        cc = config.cache
         # kv/cache.py owns the layout; a quantized dtype's blocks are smaller (scales included), so the
         # same memory holds more of them.
         self.block_size = cc.block_size or default_block_size(self.device.type, cc.kv_cache_dtype)
-        self.kv_layout = KVLayout.for_model(model_config, self.block_size, cc.kv_cache_dtype, self.dtype)
+        digest = self.key_scales.digest() if self.key_scales is not None else ""
+        self.kv_layout = KVLayout.for_model(model_config, self.block_size, cc.kv_cache_dtype, self.dtype, digest)
         block_bytes = self.kv_layout.block_bytes
         budget = int(cc.kv_cache_memory_gb * (1 << 30))
         num_residual_slots = 0
@@ -235,14 +239,24 @@ class LLMEngine(EngineLoop):
 
     def _build_model(
         self, model_config: ModelConfig, weights: dict[str, torch.Tensor], quantized: str | None,
-        consume: bool = False,
+        consume: bool = False, kv_cache_dtype: str = "auto",
     ) -> LlamaModel:
         """The model on this engine's device and dtype, with the CPU kernels chosen (the target and the
         draft model alike): int8 projections when asked (`quantized` "int8" or "w8a8"), packed linears,
-        fused or plain elementwise ops. `consume`: `weights` is the loader's own dict, emptied as copied."""
+        fused or plain elementwise ops. `consume`: `weights` is the loader's own dict, emptied as copied.
+        `kv_cache_dtype`: the cache it writes; an int8 or fp8 one gets its key channels scaled first
+        (`config.cache.kv_key_scaling`; `self.key_scales` says how)."""
         config = self.config
         model = LlamaModel(model_config)
         model.load_hf_weights(weights, consume=consume)
+        scaling = config.cache.kv_key_scaling
+        if kv_cache_dtype in QUANT_DTYPES and scaling != "off":
+            t0 = time.perf_counter()
+            ids = calibration_ids(self.tokenizer, model_config.vocab_size)
+            self.key_scales = calibrate(model, ids, kv_cache_dtype, every_layer=scaling == "on")
+            model.scale_key_channels(self.key_scales.powers)
+            logger.info("%s (calibrated on %d tokens in %.1fs)", self.key_scales.describe(), ids.numel(),
+                        time.perf_counter() - t0)
         if quantized is not None:
             model.quantize_linears(quantized)  # from the float32 weights, before the cast; frees the float copies
         model = model.to(device=self.device, dtype=self.dtype).eval()

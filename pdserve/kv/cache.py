@@ -78,7 +78,9 @@ class KVLayout:
     `dtype` is the storage dtype; the kv dtype name and the scale layout follow from it (int8 carries a
     float16 scale and zero per token and kv head, fp8 a float32 scale, both in 4 bytes; int4 float16
     scales and zeros per key channel and per value token; the others none). `residual_dtype`: what
-    int4's open blocks are kept in (the model's)."""
+    int4's open blocks are kept in (the model's). `key_scales`: the digest of the per-channel powers of
+    two the keys are stored divided by (model/key_scales.py; "" for none): keys scaled otherwise are
+    other values, so it is part of `key()`."""
 
     num_layers: int
     num_kv_heads: int
@@ -86,14 +88,16 @@ class KVLayout:
     dtype: torch.dtype
     block_size: int = 16
     residual_dtype: torch.dtype = field(default=torch.bfloat16, compare=False)  # int4 only
+    key_scales: str = ""
 
     @classmethod
     def for_model(
-        cls, cfg: ModelConfig, block_size: int, kv_cache_dtype: str, model_dtype: torch.dtype
+        cls, cfg: ModelConfig, block_size: int, kv_cache_dtype: str, model_dtype: torch.dtype, key_scales: str = ""
     ) -> KVLayout:
-        """The layout of `cfg`'s cache stored as `kv_cache_dtype` ("auto": `model_dtype`)."""
+        """The layout of `cfg`'s cache stored as `kv_cache_dtype` ("auto": `model_dtype`), its keys divided
+        by the powers `key_scales` digests ("": none)."""
         dtype = storage_dtype(kv_cache_dtype, model_dtype)
-        return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, block_size, model_dtype)
+        return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, block_size, model_dtype, key_scales)
 
     @property
     def kv_dtype(self) -> str:
@@ -193,14 +197,17 @@ class KVLayout:
     def key(self) -> str:
         """A compact fingerprint for the transfer handshake: equal keys, compatible caches (int4: its
         open blocks travel unquantized, so the residual dtype is part of it; int8 names its row format,
-        `int8-asym`, so a peer of the older symmetric int8 refuses to pair)."""
+        `int8-asym`, so a peer of the older symmetric int8 refuses to pair; keys stored divided by
+        per-channel powers of two add `/K` and their digest)."""
         dtype = f"{self.kv_dtype}+{kv_dtype_name(self.residual_dtype)}" if self.is_int4 else self.kv_dtype
         dtype = FORMATS.get(dtype, dtype)
-        return f"{dtype}/L{self.num_layers}/H{self.num_kv_heads}/D{self.head_dim}/B{self.block_size}"
+        keys = f"/K{self.key_scales}" if self.key_scales else ""
+        return f"{dtype}/L{self.num_layers}/H{self.num_kv_heads}/D{self.head_dim}/B{self.block_size}{keys}"
 
     def describe(self) -> str:
+        keys = f", keys divided by per-channel powers of two {self.key_scales}" if self.key_scales else ""
         return (
-            f"kv dtype {self.kv_dtype} (scales {self.scales}), block size {self.block_size}, "
+            f"kv dtype {self.kv_dtype} (scales {self.scales}{keys}), block size {self.block_size}, "
             f"{self.num_layers} layers x {self.num_kv_heads} kv heads x head_dim {self.head_dim}"
         )
 

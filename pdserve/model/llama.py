@@ -170,6 +170,33 @@ class LlamaModel(nn.Module):
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
     @torch.no_grad()
+    def scale_key_channels(self, powers: torch.Tensor) -> None:
+        """Fold per-channel powers of two into the q/k projections (model/key_scales.py): `powers`
+        [layers, kv heads, head_dim], channel c and c + head_dim / 2 equal (what rotate-half RoPE mixes).
+        The k rows of each layer's fused weight and bias are divided by its kv head's powers and the q
+        rows of every query head in that head's group multiplied by them, so q.k is unchanged (exactly:
+        powers of two) and the cache stores K / a. Call it on the loaded weights, before packing."""
+        if self.linear_plan is not None or self.int8_weights is not None:
+            raise RuntimeError("fold the key scales before the linears are quantized or packed")
+        c = self.cfg
+        if tuple(powers.shape) != (c.num_layers, c.num_kv_heads, c.head_dim):
+            raise ValueError(f"key powers {tuple(powers.shape)} do not fit the model "
+                             f"({c.num_layers}, {c.num_kv_heads}, {c.head_dim})")
+        half = c.head_dim // 2
+        if not torch.equal(powers[..., :half], powers[..., half:]):
+            raise ValueError("key powers must be equal for channels c and c + head_dim / 2 (RoPE mixes them)")
+        if not torch.equal(powers, torch.exp2(torch.log2(powers).round())):
+            raise ValueError("key scales must be powers of two (only those fold exactly)")
+        group = c.num_heads // c.num_kv_heads
+        for layer, a in zip(self.layers, powers.to(self.embed.device)):
+            q_mul = a.repeat_interleave(group, dim=0).reshape(-1)  # [heads * D]: query head h reads kv head h // group
+            k_div = a.reshape(-1)
+            mul = torch.cat([q_mul, 1.0 / k_div, torch.ones(layer.kv_size, device=a.device)]).to(layer.qkv.dtype)
+            layer.qkv.mul_(mul.unsqueeze(1))
+            if layer.qkv_bias is not None:
+                layer.qkv_bias.mul_(mul)
+
+    @torch.no_grad()
     def quantize_linears(self, weight_dtype: str = "int8") -> None:
         """Quantize every projection and the output head to int8 per output channel (`quantize_int8`),
         from the float32 weights as loaded (before the cast to bf16: one rounding, not two), and free the

@@ -74,14 +74,17 @@ def test_the_cli_builds_the_default_configs() -> None:
 def test_flags_reach_their_fields() -> None:
     args = build_parser().parse_args([
         "serve", "--kv-cache-dtype", "int8", "--block-size", "8", "--scheduler", "decode-priority",
-        "--attention-backend", "torch", "--role", "prefill", "--kv-transfer", "tcp",
+        "--attention-backend", "torch", "--role", "prefill", "--kv-transfer", "tcp", "--kv-key-scaling", "off",
     ])
     engine = engine_config(args)
-    assert (engine.cache.kv_cache_dtype, engine.cache.block_size) == ("int8", 8)
+    assert (engine.cache.kv_cache_dtype, engine.cache.block_size, engine.cache.kv_key_scaling) == ("int8", 8, "off")
+    assert engine_config(build_parser().parse_args(["serve"])).cache.kv_key_scaling == "auto"
     assert (engine.scheduler.policy, engine.attention_backend) == ("decode-priority", "torch")
     assert (kv_transfer_config(args).role, kv_transfer_config(args).backend) == ("prefill", "tcp")
     with pytest.raises(SystemExit):  # choices come from config's tuples
         build_parser().parse_args(["serve", "--kv-cache-dtype", "int3"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--kv-key-scaling", "maybe"])
 
 
 def test_add_config_argument_reads_default_type_and_shows_it() -> None:
