@@ -6,7 +6,9 @@ sampling, batch building, Python), at a few batch sizes of decoding sequences.
     .venv/bin/python benchmarks/decode_breakdown.py --sharegpt-at 30,150,500,1000 [--steps 10]
     .venv/bin/python benchmarks/decode_breakdown.py --kv-cache-dtypes bfloat16,int8 --batches 16 --context 2048
 
-`--kv-cache-dtypes` runs one engine per KV dtype, one after the other, on the same prompts, and prints
+`--kv-cache-dtypes` builds one engine per KV dtype (each with its own `--kv-cache-memory-gb`), gives them
+the same prompts and times their decode steps in `--rounds` rounds that alternate the engines (on a host
+whose DRAM bandwidth drifts by the minute, one engine after the other measured the drift), then prints
 each part's time ratio against the first: where a quantized cache's step time goes besides attention.
 
 The second form runs the offline benchmark's workload (200 ShareGPT requests, seed 0, ignore_eos) and
@@ -104,65 +106,102 @@ def sharegpt_rows(eng, acc: dict, marks: list[int], steps: int, weight_bytes: in
 
 
 MAX_TOKENS = 1024  # per sequence of the --batches form: more than its prompts' mixed steps and the timed ones
+PARTS = ("linears", "attention", "elementwise")
 
 
-def measure(args, kv_dtype: str, rng: random.Random) -> tuple[list[dict], int]:  # type: ignore[no-untyped-def]
-    """One engine with `kv_dtype`'s cache: its rows and the bf16 weight bytes a step streams."""
-    max_len = args.context + MAX_TOKENS
-    llm = LLM(model=args.model, dtype="bfloat16", linear_kernel=args.linear_kernel, max_num_seqs=256,
-              kv_cache_dtype=kv_dtype, kv_cache_memory_gb=args.kv_cache_memory_gb,
-              max_model_len=max(2048, max_len))
-    eng = llm.engine
-    model, cfg = eng.model, eng.model_config
-    acc: dict[str, float] = defaultdict(float)
-    for layer in model.layers:
-        layer.packed = {n: Timed(p, acc, "linears") for n, p in layer.packed.items()}
-    if model.packed_lm_head is not None:
-        model.packed_lm_head = Timed(model.packed_lm_head, acc, "linears")
-    eng.runner.attn = TimedMethods(eng.runner.attn, ("forward",), acc, "attention")
-    model.ops = TimedMethods(model.ops, ("add_rms_norm", "rope_qkv", "silu_mul"), acc, "elementwise")
+class Probe:
+    """One engine with `kv_dtype`'s cache and its parts timed (this script's wrappers)."""
 
-    weight_bytes = bf16_weight_bytes(cfg)
-    layout = eng.kv_layout
-    kv_bytes_per_token = layout.block_bytes / layout.block_size  # scales included
-    print(f"{kv_dtype}: {layout.describe()}; {eng.kv_cache.num_blocks} blocks of {layout.block_size} tokens")
-    plan = model.linear_plan
-    print(plan.describe() if plan is not None else "linears: plain F.linear")
-    if args.sharegpt_at:
-        marks = [int(x) for x in args.sharegpt_at.split(",")]
-        got = sharegpt_rows(eng, acc, marks, args.steps, weight_bytes, kv_bytes_per_token)
-        return [{"kv_cache_dtype": kv_dtype, **r} for r in got], weight_bytes
-    rows = []
-    for b in [int(x) for x in args.batches.split(",")]:
+    def __init__(self, args, kv_dtype: str) -> None:  # type: ignore[no-untyped-def]
+        max_len = args.context + MAX_TOKENS
+        llm = LLM(model=args.model, dtype="bfloat16", linear_kernel=args.linear_kernel, max_num_seqs=256,
+                  kv_cache_dtype=kv_dtype, kv_cache_memory_gb=args.kv_cache_memory_gb,
+                  max_model_len=max(2048, max_len))
+        self.kv_dtype, self.llm = kv_dtype, llm
+        eng = self.eng = llm.engine
+        model, self.cfg = eng.model, eng.model_config
+        acc = self.acc = defaultdict(float)
+        for layer in model.layers:
+            layer.packed = {n: Timed(p, acc, "linears") for n, p in layer.packed.items()}
+        if model.packed_lm_head is not None:
+            model.packed_lm_head = Timed(model.packed_lm_head, acc, "linears")
+        eng.runner.attn = TimedMethods(eng.runner.attn, ("forward",), acc, "attention")
+        model.ops = TimedMethods(model.ops, ("add_rms_norm", "rope_qkv", "silu_mul"), acc, "elementwise")
+        self.weight_bytes = bf16_weight_bytes(self.cfg)
+        layout = eng.kv_layout
+        self.kv_bytes_per_token = layout.block_bytes / layout.block_size  # scales included
+        print(f"{kv_dtype}: {layout.describe()}; {eng.kv_cache.num_blocks} blocks of {layout.block_size} tokens")
+        plan = model.linear_plan
+        print(plan.describe() if plan is not None else "linears: plain F.linear")
+        self.ids: list[str] = []
+        self.total: dict[str, float] = defaultdict(float)
+        self.steps = 0
+
+    def sharegpt(self, marks: list[int], steps: int) -> list[dict]:
+        """The ShareGPT form's rows (`sharegpt_rows`), labelled with this engine's kv dtype."""
+        got = sharegpt_rows(self.eng, self.acc, marks, steps, self.weight_bytes, self.kv_bytes_per_token)
+        return [{"kv_cache_dtype": self.kv_dtype, **r} for r in got]
+
+    def start(self, prompts: list[list[int]]) -> None:
+        """Every prompt decoding (the first ones decode while the others' prompts are still chunked in:
+        room for every sequence to keep running through the timed steps; aborted by `stop`)."""
+        eng = self.eng
         eng.block_manager.reset_prefix_cache()
-        # The first sequences decode while the others' prompts are still chunked in (mixed steps): room
-        # for every sequence to keep running through the timed steps; aborted after them.
-        ids = []
-        for _ in range(b):
-            prompt = [rng.randrange(100, cfg.vocab_size) for _ in range(args.context)]
-            ids.append(eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)))
+        self.ids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+                    for p in prompts]
         while eng.scheduler.waiting or any(r.is_prefill for r in eng.scheduler.running):
             eng.step()
         eng.step()  # warm the decode shape
-        ctx = sum(r.num_computed_tokens for r in eng.scheduler.running)  # the first ones decoded meanwhile
-        acc.clear()
+        self.ctx = sum(r.num_computed_tokens for r in eng.scheduler.running)  # the first ones decoded meanwhile
+        self.total.clear()
+        self.steps = 0
+
+    def time_steps(self, n: int) -> None:
+        self.acc.clear()
         t0 = time.perf_counter()
-        for _ in range(args.steps):
-            eng.step()
-        step = (time.perf_counter() - t0) / args.steps
-        parts = {k: acc[k] / args.steps for k in ("linears", "attention", "elementwise")}
-        if len(eng.scheduler.running) != b:
-            raise RuntimeError(f"batch {b}: {len(eng.scheduler.running)} sequences ran (KV cache too small? "
+        for _ in range(n):
+            self.eng.step()
+        self.total["step"] += time.perf_counter() - t0
+        for k in PARTS:
+            self.total[k] += self.acc[k]
+        self.steps += n
+
+    def stop(self) -> dict:
+        """The row of the timed steps, and the sequences aborted."""
+        b = len(self.ids)
+        if len(self.eng.scheduler.running) != b:
+            raise RuntimeError(f"batch {b}: {len(self.eng.scheduler.running)} sequences ran (KV cache too small? "
                                f"raise --kv-cache-memory-gb)")
-        for rid in ids:
-            eng.abort_request(rid)
+        for rid in self.ids:
+            self.eng.abort_request(rid)
+        n = self.steps
+        step = self.total["step"] / n
+        parts = {k: self.total[k] / n for k in PARTS}
         parts["other"] = step - sum(parts.values())
-        kv_bytes = (ctx + b * args.steps / 2) * kv_bytes_per_token
-        rows.append({"kv_cache_dtype": kv_dtype, "batch": b, "step_ms": 1e3 * step,
-                     **{f"{k}_ms": 1e3 * v for k, v in parts.items()},
-                     "weight_gb_per_s": weight_bytes / parts["linears"] / 1e9,
-                     "kv_gb_per_s": kv_bytes / parts["attention"] / 1e9, "kv_mb_per_step": kv_bytes / 1e6})
-    return rows, weight_bytes
+        kv_bytes = (self.ctx + b * n / 2) * self.kv_bytes_per_token
+        return {"kv_cache_dtype": self.kv_dtype, "batch": b, "step_ms": 1e3 * step,
+                **{f"{k}_ms": 1e3 * v for k, v in parts.items()},
+                "weight_gb_per_s": self.weight_bytes / parts["linears"] / 1e9,
+                "kv_gb_per_s": kv_bytes / parts["attention"] / 1e9, "kv_mb_per_step": kv_bytes / 1e6}
+
+
+def measure_batches(args, probes: list[Probe]) -> list[dict]:  # type: ignore[no-untyped-def]
+    """Each batch size on every probe's engine, the same prompts; the timed steps in `args.rounds` rounds
+    that alternate the engines (reversed every other round), so a host whose bandwidth drifts by the
+    minute weighs on every kv dtype alike and the ratios are side by side."""
+    rng = random.Random(0)
+    rows = []
+    vocab = probes[0].cfg.vocab_size
+    per_round = max(1, args.steps // args.rounds)
+    for b in [int(x) for x in args.batches.split(",")]:
+        prompts = [[rng.randrange(100, vocab) for _ in range(args.context)] for _ in range(b)]
+        for p in probes:
+            p.start(prompts)
+        for r in range(args.rounds):
+            for p in (probes if r % 2 == 0 else probes[::-1]):
+                p.time_steps(per_round)
+        rows += [p.stop() for p in probes]
+    return rows
 
 
 def main() -> None:
@@ -171,6 +210,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,10,80")
     ap.add_argument("--context", type=int, default=300, help="prompt tokens per sequence before decoding")
     ap.add_argument("--steps", type=int, default=24, help="decode steps timed per batch size")
+    ap.add_argument("--rounds", type=int, default=4,
+                    help="--batches form with several kv dtypes: the timed steps in this many rounds, engines alternating")
     ap.add_argument("--sharegpt-at", default=None, help="time the ShareGPT run from these step numbers instead")
     ap.add_argument("--linear-kernel", default="auto")
     ap.add_argument("--kv-cache-dtypes", default="auto",
@@ -184,9 +225,17 @@ def main() -> None:
           f"{' '.join(f for f, on in cpu_flags().items() if on)}; DRAM read {dram / 1e9:.0f} GB/s")
     dtypes = args.kv_cache_dtypes.split(",")
     rows: list[dict] = []
-    for kv_dtype in dtypes:
-        got, weight_bytes = measure(args, kv_dtype, random.Random(0))  # the same prompts for every dtype
-        rows += got
+    if args.sharegpt_at:  # each engine runs the whole workload, one after the other
+        marks = [int(x) for x in args.sharegpt_at.split(",")]
+        for kv_dtype in dtypes:
+            probe = Probe(args, kv_dtype)
+            rows += probe.sharegpt(marks, args.steps)
+            weight_bytes = probe.weight_bytes
+            del probe
+    else:
+        probes = [Probe(args, kv_dtype) for kv_dtype in dtypes]  # all built first: their steps alternate
+        weight_bytes = probes[0].weight_bytes
+        rows = measure_batches(args, probes)
     where = (f"ShareGPT run, {args.steps} steps from steps {args.sharegpt_at} (batch = running sequences)"
              if args.sharegpt_at else f"context {args.context} tokens per sequence")
     print(f"weights {weight_bytes / 1e6:.0f} MB per step; {where}")

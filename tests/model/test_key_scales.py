@@ -190,3 +190,60 @@ def test_scaled_keys_are_part_of_the_layout_key_and_pairing_checks_it():
 def test_unknown_key_scaling_is_refused():
     with pytest.raises(ValueError, match="kv_key_scaling"):
         CacheConfig(kv_key_scaling="maybe")
+
+
+# ---- disaggregation: both ends must have scaled their keys alike ---------------------------------------
+
+def _disagg_engine(role: str, transport, scaling: str = "auto"):  # type: ignore[no-untyped-def]
+    from pdserve.config import EngineConfig, KVTransferConfig
+    from pdserve.engine.llm_engine import LLMEngine
+
+    cfg = EngineConfig(
+        dtype="float32", device="cpu",
+        cache=CacheConfig(num_blocks=128, block_size=4, kv_cache_dtype="int8", kv_key_scaling=scaling),
+        kv_transfer=KVTransferConfig(role=role, backend=None if role == "both" else "inproc"),
+    )
+    return LLMEngine(cfg, model_config=QWEN_TINY, weights=outlier_weights(), kv_transport=transport)
+
+
+def test_disaggregated_scaled_keys_equal_colocated_and_unscaled_peer_is_refused():
+    """Prefill and decode instances that both scaled their keys (the same digest) serve what one
+    colocated instance does; a decode instance with `--kv-key-scaling off` holds other values for the same
+    tokens, and the prefill side refuses to send to it."""
+    from pdserve import SamplingParams
+    from pdserve.engine.disagg import generate_disaggregated
+    from pdserve.errors import InvalidRequestError
+    from pdserve.transfer.connector import RemoteDecode, RemotePrefill
+    from pdserve.transfer.inproc import InprocHub, InprocTransport
+
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = random_prompts(4, 5, 30, seed=9, vocab=QWEN_TINY.vocab_size)
+    colocated = _disagg_engine("both", None)
+    layout = colocated.kv_layout
+    assert layout.key_scales != ""
+    want: list[list[int]] = [[] for _ in prompts]
+    for i, ids in enumerate(prompts):
+        colocated.add_request(ids, greedy, req_id=str(i))
+    while colocated.has_unfinished_requests():
+        for o in colocated.step():
+            if o.finished:
+                want[int(o.request_id)] = o.outputs[0].token_ids
+    hub = InprocHub()
+    p = _disagg_engine("prefill", InprocTransport(layout, hub))
+    d = _disagg_engine("decode", InprocTransport(layout, hub))
+    outs = generate_disaggregated(p, d, prompts, greedy)
+    assert [o.outputs[0].token_ids for o in outs] == want and all(o.error is None for o in outs)
+    assert all(len(w) == 10 for w in want)
+
+    hub = InprocHub()
+    unscaled = KVLayout.for_model(QWEN_TINY, 4, "int8", torch.float32)
+    p = _disagg_engine("prefill", InprocTransport(layout, hub))
+    d = _disagg_engine("decode", InprocTransport(unscaled, hub), scaling="off")
+    d.add_request(prompts[0], greedy, req_id="d0", kv_transfer=RemotePrefill("t0"))
+    d.step()
+    ((rid, skip),) = d.take_kv_reservations()
+    with pytest.raises(InvalidRequestError, match=f"mismatch: the sender's cache is .*/K{layout.key_scales}"):
+        p.add_request(prompts[0], greedy, kv_transfer=RemoteDecode("t0", d.connector.address, skip))  # type: ignore[union-attr]
+    d.abort_request(rid)
+    d.step()
+    assert d.block_manager.num_free_blocks == d.block_manager.num_blocks
