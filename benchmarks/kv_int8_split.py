@@ -44,6 +44,7 @@ from pdserve.bench.accuracy import (
     score_teacher_forced,
 )
 from pdserve.kv.quant import dequantize, quantize
+from pdserve.model.key_scales import channel_powers
 
 Rounding = Callable[[torch.Tensor], torch.Tensor]
 
@@ -93,22 +94,9 @@ class RoundedKV(TorchAttention):
         return super().forward(q, k, v, cache, meta, scale)
 
 
-def channel_powers(k: torch.Tensor) -> torch.Tensor:
-    """[kv heads, head_dim] powers of two that bring each channel's largest |k| over the rows of `k`
-    ([tokens, kv heads, head_dim]) near its head's median channel: 2^round(log2(max / median)), the two
-    channels a rotate-half RoPE mixes (c and c + head_dim / 2) sharing one, so the scaling commutes with
-    the rotation and is exact in bf16."""
-    amax = k.float().abs().amax(0)  # [kv heads, D]
-    half = amax.shape[-1] // 2
-    pair = torch.maximum(amax[:, :half], amax[:, half:]).clamp_min(1e-6)
-    ref = pair.median(-1, keepdim=True).values
-    power = torch.exp2(torch.round(torch.log2(pair / ref)))
-    return torch.cat([power, power], -1)
-
-
 class PerChannelKV(TorchAttention):
-    """int8 K and V as the cache stores them, K first divided per channel by `channel_powers` of the
-    layer's first call (the first prompt chunks: a calibration of 256 rows) and multiplied back after,
+    """int8 K and V as the cache stores them, K first divided per channel by `channel_powers` (the
+    engine's, model/key_scales.py: here without its per-layer choice) of the layer's first call (the first prompt chunks: a calibration of 256 rows) and multiplied back after,
     which is what storing K / a and multiplying the queries by a computes (exactly: powers of two)."""
 
     def __init__(self) -> None:

@@ -27,7 +27,6 @@ llama/qwen2 blocks here) could not fold this into its projections.
 from __future__ import annotations
 
 import hashlib
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -36,8 +35,6 @@ from pdserve.attention.base import AttentionMetadata, PrefillSeq
 from pdserve.attention.torch_ref import TorchAttention
 from pdserve.kv.cache import LayerCache
 from pdserve.kv.quant import QUANT_DTYPES, dequantize, quantize
-
-logger = logging.getLogger(__name__)
 
 # A layer keeps its powers where they divide the calibration's score error by at least this much.
 MIN_GAIN = 2.0
