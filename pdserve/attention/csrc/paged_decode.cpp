@@ -1248,15 +1248,13 @@ inline void int_pv_block_vnni(float (*accm)[D], const float* p, int64_t stride, 
   alignas(64) int16_t w16[G][avx2::kPvRows + 16];
   float unit[G];
   for (int64_t t0 = 0; t0 < n; t0 += avx2::kPvRows) {
-    const int64_t m = std::min(avx2::kPvRows, n - t0), pairs = (m + 1) / 2;
+    const int64_t m = std::min(avx2::kPvRows, n - t0);
     avx2::int16_weights<G>(p + t0, stride, m, w16, unit);
     const int8_t* vb = v + t0 * D;
     for (int c = 0; c < D / 32; ++c) {
       __m512i lo[G], hi[G];  // int32 sums of the slice's dims 0-7 and 16-23 (lo), 8-15 and 24-31 (hi)
       for (int g = 0; g < G; ++g) lo[g] = hi[g] = _mm512_setzero_si512();
-      for (int64_t i = 0; i < pairs; ++i) {
-        const int8_t* r0 = vb + 2 * i * D + 32 * c;
-        const int8_t* r1 = 2 * i + 1 < m ? r0 + D : r0;  // an odd last row pairs with itself, weight 0
+      const auto rows = [&](const int8_t* r0, const int8_t* r1, int64_t i) __attribute__((always_inline)) {
         const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0));
         const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1));
         const __m512i x = _mm512_cvtepi8_epi16(_mm256_unpacklo_epi8(a, b));  // per 128-bit lane: 8 dims' pairs
@@ -1268,7 +1266,19 @@ inline void int_pv_block_vnni(float (*accm)[D], const float* p, int64_t stride, 
           lo[g] = _mm512_dpwssd_epi32(lo[g], w, x);
           hi[g] = _mm512_dpwssd_epi32(hi[g], w, y);
         }
-        if ((i & 7) == 7 || i + 1 == pairs) tick(c, t0 + std::min(m, 2 * i + 2));
+      };
+      // Whole pairs 8 at a time, the pacing call between runs (inside the loop it cost the loop its
+      // registers), then an odd last row paired with itself (weight 0: w16[g][m]).
+      const int64_t full = m / 2;
+      for (int64_t i0 = 0; i0 < full; i0 += 8) {
+        const int64_t i1 = std::min(full, i0 + 8);
+        for (int64_t i = i0; i < i1; ++i) rows(vb + 2 * i * D + 32 * c, vb + (2 * i + 1) * D + 32 * c, i);
+        tick(c, t0 + 2 * i1);
+      }
+      if (m & 1) {
+        const int8_t* r = vb + (m - 1) * D + 32 * c;
+        rows(r, r, full);
+        tick(c, t0 + m);
       }
       for (int g = 0; g < G; ++g) {
         const __m512 u = _mm512_set1_ps(unit[g]);
