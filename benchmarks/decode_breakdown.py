@@ -70,6 +70,18 @@ def bf16_weight_bytes(cfg: ModelConfig) -> int:
     return 2 * (cfg.num_layers * per_layer + cfg.vocab_size * d)
 
 
+PARTS = ("linears", "attention", "elementwise")
+
+
+def part_times(step: float, parts: dict[str, float], kv_bytes: float, weight_bytes: int) -> dict:
+    """A row's times (seconds per step in, ms out; "other" is the step less the timed parts) and the rates
+    the projections and attention read their bytes at."""
+    parts = {**parts, "other": step - sum(parts.values())}
+    return {"step_ms": 1e3 * step, **{f"{k}_ms": 1e3 * v for k, v in parts.items()},
+            "weight_gb_per_s": weight_bytes / parts["linears"] / 1e9,
+            "kv_gb_per_s": kv_bytes / parts["attention"] / 1e9, "kv_mb_per_step": kv_bytes / 1e6}
+
+
 def sharegpt_rows(eng, acc: dict, marks: list[int], steps: int, weight_bytes: int, kv_bytes_per_token: int) -> list[dict]:  # type: ignore[no-untyped-def]
     """The offline benchmark's requests, all added at once; `steps` steps timed from each step in `marks`."""
     from pdserve.bench.datasets import sample_sharegpt
@@ -93,20 +105,14 @@ def sharegpt_rows(eng, acc: dict, marks: list[int], steps: int, weight_bytes: in
             n += 1
         done += n
         step = (time.perf_counter() - t0) / n
-        parts = {k: acc[k] / n for k in ("linears", "attention", "elementwise")}
-        parts["other"] = step - sum(parts.values())
-        kv_bytes = ctx * kv_bytes_per_token
-        rows.append({"batch": len(running), "at_step": mark, "context_tokens": ctx, "step_ms": 1e3 * step,
-                     **{f"{k}_ms": 1e3 * v for k, v in parts.items()},
-                     "weight_gb_per_s": weight_bytes / parts["linears"] / 1e9,
-                     "kv_gb_per_s": kv_bytes / parts["attention"] / 1e9, "kv_mb_per_step": kv_bytes / 1e6})
+        rows.append({"batch": len(running), "at_step": mark, "context_tokens": ctx,
+                     **part_times(step, {k: acc[k] / n for k in PARTS}, ctx * kv_bytes_per_token, weight_bytes)})
     while eng.has_unfinished_requests():
         eng.step()
     return rows
 
 
 MAX_TOKENS = 1024  # per sequence of the --batches form: more than its prompts' mixed steps and the timed ones
-PARTS = ("linears", "attention", "elementwise")
 
 
 class Probe:
@@ -175,14 +181,9 @@ class Probe:
         for rid in self.ids:
             self.eng.abort_request(rid)
         n = self.steps
-        step = self.total["step"] / n
-        parts = {k: self.total[k] / n for k in PARTS}
-        parts["other"] = step - sum(parts.values())
         kv_bytes = (self.ctx + b * n / 2) * self.kv_bytes_per_token
-        return {"kv_cache_dtype": self.kv_dtype, "batch": b, "step_ms": 1e3 * step,
-                **{f"{k}_ms": 1e3 * v for k, v in parts.items()},
-                "weight_gb_per_s": self.weight_bytes / parts["linears"] / 1e9,
-                "kv_gb_per_s": kv_bytes / parts["attention"] / 1e9, "kv_mb_per_step": kv_bytes / 1e6}
+        return {"kv_cache_dtype": self.kv_dtype, "batch": b,
+                **part_times(self.total["step"] / n, {k: self.total[k] / n for k in PARTS}, kv_bytes, self.weight_bytes)}
 
 
 def measure_batches(args, probes: list[Probe]) -> list[dict]:  # type: ignore[no-untyped-def]
