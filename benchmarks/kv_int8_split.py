@@ -6,8 +6,8 @@ the same bytes (docs/accuracy.md, "Where int8 KV's KL comes from").
 
 Every engine runs the torch reference attention in bf16. `kv-int8` stores an int8 cache (kv/quant.py:
 asymmetric, a float16 scale and zero per token and kv head) of unscaled keys (`--kv-key-scaling off`:
-the engine's own key scaling, model/key_scales.py, is what `kv-int8-k-channel` measured before it). The others keep a bf16 cache and round K
-and/or V on their way into attention (`RoundedKV`, an attention backend of this script's own, so the
+the engine's own key scaling, model/key_scales.py, is what `kv-int8-k-channel` measured before it). The
+others keep a bf16 cache and round K and/or V on their way into attention (`RoundedKV`, an attention backend of this script's own, so the
 prompt's fresh K/V and every later read see the rounded values, as with an int8 cache):
 
 - `k-int8` / `v-int8`: only K / only V through kv/quant.py's int8 (the rows `kv-int8` stores);
@@ -96,8 +96,8 @@ class RoundedKV(TorchAttention):
 
 class PerChannelKV(TorchAttention):
     """int8 K and V as the cache stores them, K first divided per channel by `channel_powers` (the
-    engine's, model/key_scales.py: here without its per-layer choice) of the layer's first call (the first prompt chunks: a calibration of 256 rows) and multiplied back after,
-    which is what storing K / a and multiplying the queries by a computes (exactly: powers of two)."""
+    engine's, model/key_scales.py: here without its per-layer choice) of the layer's first call (the first
+    prompt chunks: a calibration of 256 rows) and multiplied back after, which is what storing K / a and multiplying the queries by a computes (exactly: powers of two)."""
 
     def __init__(self) -> None:
         self.powers: dict[int, torch.Tensor] = {}
