@@ -7,8 +7,9 @@ the same bytes (docs/accuracy.md, "Where int8 KV's KL comes from").
 Every engine runs the torch reference attention in bf16. `kv-int8` stores an int8 cache (kv/quant.py:
 asymmetric, a float16 scale and zero per token and kv head) of unscaled keys (`--kv-key-scaling off`:
 the engine's own key scaling, model/key_scales.py, is what `kv-int8-k-channel` measured before it). The
-others keep a bf16 cache and round K and/or V on their way into attention (`RoundedKV`, an attention backend of this script's own, so the
-prompt's fresh K/V and every later read see the rounded values, as with an int8 cache):
+others keep a bf16 cache and round K and/or V on their way into attention (`RoundedKV`, an attention
+backend of this script's own, so the prompt's fresh K/V and every later read see the rounded values, as
+with an int8 cache):
 
 - `k-int8` / `v-int8`: only K / only V through kv/quant.py's int8 (the rows `kv-int8` stores);
 - `kv-int8-asym`: this script's own asymmetric int8, the measurement the cache's format was adopted from:
