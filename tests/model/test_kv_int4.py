@@ -364,7 +364,7 @@ def _random_int4_layer(bs: int, d: int, kvh: int, num_blocks: int, slots: int, s
     return LayerCache(pk, pv, ks, vs, kz, vz, rk, rv, torch.full((num_blocks,), -1, dtype=torch.int32))
 
 
-def _int4_decode_case(kernel, bs: int, d: int, group: int, seed: int):  # type: ignore[no-untyped-def]
+def _int4_decode_case(kernel, bs: int, d: int, group: int, seed: int, isa: str = "auto"):  # type: ignore[no-untyped-def]
     """(C++ int4 decode in bf16, the reference in float32, the portable loop in bf16) on a random cache:
     requests with a partly filled open last block, one all open, one of exactly full sealed blocks, one
     shorter than 16 tokens, one with an open block mid-context (adopted from the prefix cache before it
@@ -393,7 +393,7 @@ def _int4_decode_case(kernel, bs: int, d: int, group: int, seed: int):  # type: 
     want = TorchAttention().decode(q.float(), layer, DecodeGroup(0, len(ctx), table, lens, mask), scale)
     args = (layer.k, layer.v, layer.k_scale, layer.k_zero, layer.v_scale, layer.v_zero, layer.residual_k,
             layer.residual_v, layer.residual_slot, table, lens, scale)
-    got = kernel.paged_decode_int4(q, *args)
+    got = kernel.paged_decode_int4(q, *args, isa=isa)
     # The portable loop in float32 queries and residual, rounded to bf16: the same maths, another order.
     f32 = (*args[:6], layer.residual_k.float(), layer.residual_v.float(), *args[8:])
     portable = kernel.paged_decode_int4(q.float(), *f32).to(torch.bfloat16)
@@ -427,6 +427,27 @@ def test_avx512_int4_decode_equals_the_reference(fast_int4_kernel, bs, d, group)
     assert (portable.float() - want).abs().max() < 1.5e-2  # the case itself is sound
 
 
+@pytest.mark.parametrize("bs,d", [(16, 64), (16, 128), (32, 64), (32, 128)])
+@pytest.mark.parametrize("group", [1, 3, 6, 7, 8])
+def test_avx2_int4_decode_equals_the_reference(bs, d, group):
+    """The AVX2 + FMA int4 decode (hosts without AVX-512 BF16; forced here by `isa="avx2"` wherever the
+    build has AVX2) against the reference in float32 on the same mixed sealed/open caches. It keeps
+    q_c s_c in float32 (no bf16 dot product to feed), so only the bf16 output rounds: measured max error
+    3.9e-3 .. 7.8e-3 over these cases, the portable loop's own."""
+    from pdserve.attention.cpu_paged import load_kernel
+
+    try:
+        kernel = load_kernel()
+    except Exception as e:  # no compiler here
+        pytest.skip(f"cpu-paged unavailable: {e}")
+    if not kernel.decode_int4_avx2_path(True, 2 * group, 2, d, bs):
+        pytest.skip("no AVX2 + FMA kernels in this build")
+    got, want, portable = _int4_decode_case(kernel, bs, d, group, seed=bs + d + group, isa="avx2")
+    err = (got.float() - want).abs()
+    assert err.max() < 1e-2 and err.mean() < 1e-3, (err.max(), err.mean())
+    assert (portable.float() - want).abs().max() < 1.5e-2  # the case itself is sound
+
+
 def test_kernel_paths_name_the_int4_decode(fast_int4_kernel):
     """`kernel_paths` (the start log) names the decode that runs: AVX-512 for bf16 with blocks of a
     multiple of 16, the portable loop otherwise, with the reason."""
@@ -446,7 +467,7 @@ def test_kernel_paths_name_the_int4_decode(fast_int4_kernel):
     assert decode == "C++ portable loop, int4 KV" and "residual pool is torch.float32" in why
 
 
-def _int4_prefill_case(kernel, bs: int, d: int, group: int, seed: int):  # type: ignore[no-untyped-def]
+def _int4_prefill_case(kernel, bs: int, d: int, group: int, seed: int, isa: str = "auto"):  # type: ignore[no-untyped-def]
     """(C++ int4 prefill in bf16, the reference in float32) for one step's chunks: a fresh prompt (every
     block open: its queries read the blocks before their own quantized on the fly), a chunk after sealed
     context, a chunk shorter than a tile ending mid-block, and one whose context holds an open block
@@ -483,7 +504,7 @@ def _int4_prefill_case(kernel, bs: int, d: int, group: int, seed: int):  # type:
     got = torch.full_like(q, float("nan"))
     ran = kernel.paged_prefill_int4(q, layer.k, layer.v, layer.k_scale, layer.k_zero, layer.v_scale, layer.v_zero,
                                     layer.residual_k, layer.residual_v, layer.residual_slot, table, starts, q_lens, ctx,
-                                    scale, got)
+                                    scale, got, isa=isa)
     assert ran
     return got, want
 
@@ -498,6 +519,26 @@ def test_avx512_int4_prefill_equals_the_reference(fast_int4_kernel, bs, d, group
     got, want = _int4_prefill_case(fast_int4_kernel, bs, d, group, seed=3 * bs + d + group)
     err = (got.float() - want).abs()
     assert err.max() < 6e-2 and err.mean() < 4e-3, (err.max(), err.mean())
+
+
+@pytest.mark.parametrize("bs,d", [(16, 64), (16, 128), (32, 64), (32, 128)])
+@pytest.mark.parametrize("group", [1, 3, 6, 7])
+def test_avx2_int4_prefill_equals_the_reference(bs, d, group):
+    """The AVX2 + FMA int4 prefill (forced by `isa="avx2"`) against the reference in float32: sealed rows
+    dequantized to float (not rounded to bf16) and p kept in float, so only the output's bf16 rounding and
+    the open blocks' sealed versions (bf16, as the reference's) differ; measured over these cases: max error
+    7.5e-3 .. 9.5e-3, mean ~5e-4 (the AVX-512 kernel's: 1.6e-2 .. 4.1e-2, ~1e-3)."""
+    from pdserve.attention.cpu_paged import load_kernel
+
+    try:
+        kernel = load_kernel()
+    except Exception as e:  # no compiler here
+        pytest.skip(f"cpu-paged unavailable: {e}")
+    if not kernel.decode_int4_avx2_path(True, 2 * group, 2, d, bs):
+        pytest.skip("no AVX2 + FMA kernels in this build")
+    got, want = _int4_prefill_case(kernel, bs, d, group, seed=3 * bs + d + group, isa="avx2")
+    err = (got.float() - want).abs()
+    assert err.max() < 1.5e-2 and err.mean() < 1e-3, (err.max(), err.mean())
 
 
 def test_bf16_engine_runs_the_avx512_int4_kernels():
@@ -537,3 +578,64 @@ def test_int4_prefill_reads_earlier_open_blocks_as_sealed(fast_int4_kernel, monk
     monkeypatch.setattr(LayerCache, "gather_sealed", LayerCache.gather_blocks)
     _, want_open = _int4_prefill_case(fast_int4_kernel, 16, 64, 3, seed=115)
     assert (got.float() - want).abs().max() < 6e-2 < (got.float() - want_open).abs().max()
+
+
+class _Avx2Only:
+    """The kernel module as a build without AVX-512 BF16 sees it: the path predicates say no AVX-512 and the
+    int4 entry points run their AVX2 + FMA kernels (what an AVX2 host's engine calls)."""
+
+    def __init__(self, kernel) -> None:  # type: ignore[no-untyped-def]
+        self._kernel = kernel
+        self.calls = {"decode": 0, "prefill": 0}  # AVX2 kernel calls that ran
+
+    def decode_int4_fast_path(self, *args) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+    def paged_decode_int4(self, *args):  # type: ignore[no-untyped-def]
+        self.calls["decode"] += 1
+        return self._kernel.paged_decode_int4(*args, isa="avx2")
+
+    def paged_prefill_int4(self, *args) -> bool:  # type: ignore[no-untyped-def]
+        ran = self._kernel.paged_prefill_int4(*args, isa="avx2")
+        self.calls["prefill"] += ran
+        return ran
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self._kernel, name)
+
+
+def test_engine_on_the_avx2_int4_kernels():
+    """An engine on an AVX2 host: the start log names the AVX2 int4 decode and prefill, and a bf16 engine
+    with a qwen-like shape (head_dim 64, 3 query heads per kv head, blocks of 16) running them, chunked
+    prompts included, gives mostly the torch reference's greedy tokens."""
+    from pdserve import LLM
+    from pdserve.attention.cpu_paged import load_kernel
+    from pdserve.model.llama import random_weights
+    from tests.model.test_kernel_paths import qwen_like
+
+    try:
+        kernel = load_kernel()
+    except Exception as e:  # no compiler here
+        pytest.skip(f"cpu-paged unavailable: {e}")
+    if not kernel.decode_int4_avx2_path(True, 9, 3, 64, 16):
+        pytest.skip("no AVX2 + FMA kernels in this build")
+    cfg = qwen_like(64)
+    weights = random_weights(cfg)
+    prompts = random_prompts(4, 30, 70, seed=3, vocab=cfg.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def engine(backend: str):  # type: ignore[no-untyped-def]
+        return LLM(dtype="bfloat16", device="cpu", model_config=cfg, weights=weights, num_blocks=64, block_size=16,
+                   kv_cache_dtype="int4", attention_backend=backend, max_num_batched_tokens=48)
+
+    llm = engine("cpu-paged")
+    attn = llm.engine.runner.attn
+    attn._kernel = avx2 = _Avx2Only(attn._kernel)
+    decode, prefill, why = attn.kernel_paths(llm.engine.kv_cache.layers[0], cfg.num_heads)
+    shape = f"head_dim 64, {cfg.num_heads // cfg.num_kv_heads} query heads per kv head"
+    assert (decode, prefill, why) == (f"C++ AVX2 + FMA, int4 KV ({shape})", f"C++ AVX2 + FMA flash, int4 KV ({shape})", None)
+    got = _greedy(llm, prompts, params)
+    assert avx2.calls["decode"] > 0 and avx2.calls["prefill"] > 0, avx2.calls
+    want = _greedy(engine("torch"), prompts, params)
+    same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
+    assert same >= 0.9 * sum(len(w) for w in want), (same, got, want)

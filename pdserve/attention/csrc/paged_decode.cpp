@@ -354,6 +354,8 @@ void with_shape(int64_t G, int64_t D, const F& f) {
 #include <immintrin.h>
 #define PDSERVE_HAVE_AVX2 1
 
+constexpr int64_t kPrefetch = 6;  // blocks the int4 kernels prefetch ahead into L1
+
 // A span of memory into L1 (the next chunk of a prefill tile's keys).
 inline void prefetch_rows(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T0);
@@ -594,17 +596,18 @@ inline void softmax(float* s, int64_t L) {
   for (t = 0; t < L8; t += 8) _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), inv));
 }
 
-// p.v over one block's n rows (v: the first, rows D apart) for heads G0 .. G0 + GC - 1: accm[g] holds a
-// head's sums as 16-dim slices of 8 even then 8 odd dims; p + g * stride + t head g's weight of row t.
-// GC <= 4 heads at a time keep 2 GC accumulators and the row's two halves in the 16 vector registers.
-template <int D, int G0, int GC, typename R>
-inline void pv_heads(float (*accm)[D], const float* p, int64_t stride, int64_t n, const typename R::T* v) {
+// p.v over one block's n rows for heads G0 .. G0 + GC - 1: accm[g] holds a head's sums as 16-dim slices of
+// 8 even then 8 odd dims; p + g * stride + t head g's weight of row t; row(t, c, e, o) gives slice c of row
+// t split that way (a cache dtype's split16, or an int4 row's nibbles). GC <= 4 heads at a time keep 2 GC
+// accumulators and the row's two halves in the 16 vector registers.
+template <int D, int G0, int GC, typename Row>
+inline void pv_heads(float (*accm)[D], const float* p, int64_t stride, int64_t n, const Row& row) {
   for (int c = 0; c < D / 16; ++c) {
     __m256 ae[GC], ao[GC];
     for (int g = 0; g < GC; ++g) ae[g] = _mm256_load_ps(accm[G0 + g] + 16 * c), ao[g] = _mm256_load_ps(accm[G0 + g] + 16 * c + 8);
     for (int64_t t = 0; t < n; ++t) {
       __m256 e, o;
-      R::split16(v + t * D + 16 * c, e, o);
+      row(t, c, e, o);
       for (int g = 0; g < GC; ++g) {
         const __m256 w = _mm256_broadcast_ss(p + (G0 + g) * stride + t);
         ae[g] = _mm256_fmadd_ps(w, e, ae[g]);
@@ -614,11 +617,16 @@ inline void pv_heads(float (*accm)[D], const float* p, int64_t stride, int64_t n
     for (int g = 0; g < GC; ++g) _mm256_store_ps(accm[G0 + g] + 16 * c, ae[g]), _mm256_store_ps(accm[G0 + g] + 16 * c + 8, ao[g]);
   }
 }
-template <int D, int G, typename R, int G0 = 0>
-inline void pv_block(float (*accm)[D], const float* p, int64_t stride, int64_t n, const typename R::T* v) {
+template <int D, int G, int G0 = 0, typename Row>
+inline void pv_rows(float (*accm)[D], const float* p, int64_t stride, int64_t n, const Row& row) {
   constexpr int kChunks = (G - G0 + 3) / 4, GC = (G - G0 + kChunks - 1) / kChunks;  // 7 heads: 4 + 3
-  pv_heads<D, G0, GC, R>(accm, p, stride, n, v);
-  if constexpr (G0 + GC < G) pv_block<D, G, R, G0 + GC>(accm, p, stride, n, v);
+  pv_heads<D, G0, GC>(accm, p, stride, n, row);
+  if constexpr (G0 + GC < G) pv_rows<D, G, G0 + GC>(accm, p, stride, n, row);
+}
+// p.v over n rows of a cache dtype (R above; v: the first row, rows D apart).
+template <int D, int G, typename R>
+inline void pv_block(float (*accm)[D], const float* p, int64_t stride, int64_t n, const typename R::T* v) {
+  pv_rows<D, G>(accm, p, stride, n, [v](int64_t t, int c, __m256& e, __m256& o) { R::split16(v + t * D + 16 * c, e, o); });
 }
 
 // 16 floats (dims 0-7 in a, 8-15 in b) as 16 bf16, rounded to nearest even.
@@ -876,62 +884,343 @@ void decode_avx2(const at::BFloat16* q, const typename R::T* k_cache, const type
     }
   });
 }
-// Causal prefill attention on AVX2 + FMA: prefill_avx512's inputs, outputs, causal positions and work
-// items, in tiles of 8 query rows (the lanes of a vector), for a bf16, int8 or fp8 e4m3 cache (R above),
-// head_dim 64 or 128, G heads per kv head, blocks of a multiple of 16 tokens. Flash-style, 16 keys at a
-// time: the chunk's K and V rows are widened to float once into L1 for the tile's G heads, split as
-// decode_avx2 splits them (each 16-dim slice's 8 even dims, then its 8 odd ones: q.k does not care,
-// and the output is interleaved back once per tile); a key's scores for the 8 rows are one chain of FMAs
-// over the dims, each K element broadcast against the tile's queries stored dims x rows; the online
-// softmax is lane-wise (no horizontal max or sum); p.v broadcasts each V element against its key's 8
-// probabilities into accumulators [head][dim][row] in L1, transposed back to rows at the tile's end.
-// Everything stays fp32 (p is not rounded to bf16 as prefill_avx512 rounds it). A quantized cache as
-// prefill_avx512: scores times the K scales (plus int8's m_t sum(q)), probabilities times the V scales,
-// int8's sum_t p_t m_t kept beside the accumulators and added to every dim before the division by l.
-template <int D, int G, typename R>
-void prefill_avx2(const at::BFloat16* q, const typename R::T* k_cache, const typename R::T* v_cache,
-                  const float* k_scale, const float* v_scale, const int64_t* tables, int64_t max_blocks,
-                  const int64_t* q_start, const int64_t* q_len, const int64_t* ctx, int64_t P, at::BFloat16* out,
-                  int64_t H, int64_t KVH, int64_t NB, int64_t BS, float scale, int64_t q_row, int64_t out_row) {
-  using T = typename R::T;
-  constexpr int64_t QT = 8, KC = 16;  // query rows per tile, keys per chunk
-  constexpr int64_t chunk_bytes = KC * D * static_cast<int64_t>(sizeof(T));
-  constexpr float kLog2e = 1.44269504088896341f;
-  std::vector<PrefillTile> items;
-  std::vector<int64_t> costs;
-  prefill_tiles(P, KVH, q_len, ctx, items, costs, QT);
-  const __m256 scale2 = _mm256_set1_ps(scale * kLog2e);  // scores in log2 units: exp2 below
-  const __m256 neg_big = _mm256_set1_ps(-1e30f);  // finite: -ffast-math assumes no infinities
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  for_each_costed(costs, [&](int64_t it) {
-    const PrefillTile& item = items[it];
-    const int64_t p = item.p, h = item.h, r0 = item.r0, rows = item.rows, first_pos = item.first_pos;
-    const int64_t* blocks = tables + p * max_blocks;
-    const auto [kh, vh, ksh, vsh] = head_planes<R>(k_cache, v_cache, k_scale, v_scale, h, NB * BS, D);
-    alignas(32) float qt[G][D][QT];          // the tile's queries, split dims x rows
-    alignas(32) float acc[G][D][QT];         // p.v sums, split dims x rows
-    alignas(32) float kf[KC][D], vf[KC][D];  // the chunk's K and V rows as float, split
-    alignas(32) float pt[KC][QT];            // one head's scores, then probabilities, keys x rows
-    float kmul[KC], kzero[KC], vmul[KC], vzero[KC];  // per key: K scale x softmax scale (log2 units), m x the same; V's
-    __m256 m[G], l[G], qsum[G], zacc[G];     // per row: running max, sum; int8: sum_d q_d, sum_t p_t m_t
-    const at::BFloat16* q0 = q + (q_start[p] + r0) * q_row + h * G * D;
+namespace avx2 {
+// 16 elements of an int4 row (8 packed bytes: byte i holds element 2i low, 2i + 1 high) as float, split as
+// split16 splits a bf16 slice: the 8 even elements (the low nibbles), then the 8 odd ones (the high).
+inline void int4_split16(const uint8_t* p, __m256& e, __m256& o) {
+  const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  e = _mm256_cvtepi32_ps(_mm256_and_si256(w, _mm256_set1_epi32(15)));
+  o = _mm256_cvtepi32_ps(_mm256_srli_epi32(w, 4));
+}
+// 16 float16 values (p: the first) as float, split the same way: 8 even, then 8 odd.
+inline void half_split16(const at::Half* p, __m256& e, __m256& o) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const auto halves = [](__m256i x) {  // the low 16 bits of 8 lanes as float16 -> float
+    return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1)));
+  };
+  e = halves(_mm256_and_si256(w, _mm256_set1_epi32(0xFFFF)));
+  o = halves(_mm256_srli_epi32(w, 16));
+}
+}  // namespace avx2
+
+// Decode over an int4 (KIVI) cache on AVX2 + FMA (no AVX-512), paged_decode_int4's layout, bf16 queries
+// and residual pool, blocks of a multiple of 16 tokens; the maths of decode_int4_avx512 in float32
+// throughout (no bf16 dot product here, so q_c s_c is not rounded):
+// - keys, per channel within a sealed block: q.k = sum_c (q_c s_c) n_c + sum_c q_c z_c; once per block
+//   the G heads take the channel scales (G x D multiplies) and one constant per head (the zeros' share);
+//   8 rows' nibbles become float into L1 and go through dots8 as a bf16 block's split rows do.
+// - values, per token: the scale folded into p, sum_t p_t z_t one scalar per head added at the end.
+// Every slice is read split (8 even elements, 8 odd: what unpacking nibbles gives without a shuffle), as
+// decode_avx2 reads bf16 rows; open blocks (res_slot >= 0) read their bf16 rows exactly as it does.
+// Memory as decode_int4_avx512: a pure-load pass over the item's K side before the K pass and its V side
+// before p.v, and the next kPrefetch blocks prefetched into L1.
+template <int D, int G>
+void decode_int4_avx2(const at::BFloat16* q, const uint8_t* k_cache, const uint8_t* v_cache, const at::Half* k_scale,
+                      const at::Half* k_zero, const at::Half* v_scale, const at::Half* v_zero,
+                      const at::BFloat16* res_k, const at::BFloat16* res_v, const int32_t* res_slot,
+                      const int64_t* table, const int64_t* ctx, at::BFloat16* out, int64_t B, int64_t H, int64_t KVH,
+                      int64_t NB, int64_t BS, int64_t R, int64_t max_blocks, float scale) {
+  constexpr int D2 = D / 2;
+  const int64_t packed_bytes = BS * D2, open_bytes = BS * D * 2;
+  for_each_item(ctx, B, KVH, [&](int64_t idx) {
+    thread_local std::vector<float> scores;
+    const int64_t b = idx / KVH, h = idx % KVH, L = ctx[b];
+    const int64_t* blocks = table + b * max_blocks;
+    const int64_t nblocks = (L + BS - 1) / BS;
+    const int64_t stride = nblocks * BS + 8;  // room for 8-row groups past L
+    scores.resize(G * stride);
+    const auto open_rows = [&](const at::BFloat16* pool, int32_t slot) { return pool + (h * R + slot) * BS * D; };
+    const auto packed = [&](const uint8_t* cache, int64_t blk) { return cache + (h * NB + blk) * packed_bytes; };
+    const auto prefetch_block = [&](int64_t a) {  // block a's K side (or, past the last, V block a - nblocks)
+      const bool k_side = a < nblocks;
+      const int64_t blk = blocks[k_side ? a : a - nblocks];
+      const int32_t slot = res_slot[blk];
+      if (slot >= 0) return prefetch_rows(open_rows(k_side ? res_k : res_v, slot), open_bytes);
+      prefetch_rows(packed(k_side ? k_cache : v_cache, blk), packed_bytes);
+      if (k_side) prefetch_rows(k_scale + (h * NB + blk) * D, 2 * D), prefetch_rows(k_zero + (h * NB + blk) * D, 2 * D);
+      else prefetch_rows(v_scale + (h * NB + blk) * BS, 2 * BS), prefetch_rows(v_zero + (h * NB + blk) * BS, 2 * BS);
+    };
+    const auto warm = [&](bool k_side) {  // one load per cache line of the item's K (or V) side
+      __m256i x = _mm256_setzero_si256();
+      const auto lines = [&](const void* p, int64_t bytes) {
+        for (int64_t off = 0; off < bytes; off += 64)
+          x = _mm256_or_si256(x, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const char*>(p) + off)));
+      };
+      for (int64_t j = 0; j < nblocks; ++j) {
+        const int64_t blk = blocks[j], n = std::min(BS, L - j * BS);
+        const int32_t slot = res_slot[blk];
+        if (slot >= 0) {
+          lines(open_rows(k_side ? res_k : res_v, slot), n * D * 2);
+          continue;
+        }
+        lines(packed(k_side ? k_cache : v_cache, blk), n * D2);
+        if (k_side) lines(k_scale + (h * NB + blk) * D, 2 * D), lines(k_zero + (h * NB + blk) * D, 2 * D);
+        else lines(v_scale + (h * NB + blk) * BS, 2 * n), lines(v_zero + (h * NB + blk) * BS, 2 * n);
+      }
+      asm volatile("" : : "x"(x));  // keeps the loads
+    };
+    alignas(32) float qs[G][D], qsc[G][D], kf[8 * D];  // queries x softmax scale; x a block's channel scales; 8 rows
     for (int g = 0; g < G; ++g) {
-      for (int c = 0; c < D / 16; ++c) {  // 8 rows' slices split, then transposed (rows past `rows`: zero)
-        __m256 e[QT], o[QT];
-        for (int i = 0; i < QT; ++i) {
-          if (i < rows) avx2::split_bf16x16(q0 + i * q_row + g * D + 16 * c, e[i], o[i]);
+      const at::BFloat16* qg = q + (b * H + h * G + g) * D;
+      for (int c = 0; c < D / 16; ++c) {
+        __m256 e, o;
+        avx2::split_bf16x16(qg + 16 * c, e, o);
+        _mm256_store_ps(qs[g] + 16 * c, _mm256_mul_ps(e, _mm256_set1_ps(scale)));
+        _mm256_store_ps(qs[g] + 16 * c + 8, _mm256_mul_ps(o, _mm256_set1_ps(scale)));
+      }
+    }
+    warm(true);
+    for (int64_t a = 0; a < kPrefetch && a < 2 * nblocks; ++a) prefetch_block(a);
+    for (int64_t j = 0; j < nblocks; ++j) {
+      if (j + kPrefetch < 2 * nblocks) prefetch_block(j + kPrefetch);
+      const int64_t blk = blocks[j], t0 = j * BS, n = std::min(BS, L - t0);
+      const int32_t slot = res_slot[blk];
+      float kconst[G] = {};
+      if (slot < 0) {  // sealed: the block's channel scales into the queries, the zeros into a constant per head
+        const at::Half* ksb = k_scale + (h * NB + blk) * D;
+        const at::Half* kzb = k_zero + (h * NB + blk) * D;
+        __m256 zsum[G];
+        for (int g = 0; g < G; ++g) zsum[g] = _mm256_setzero_ps();
+        for (int c = 0; c < D / 16; ++c) {
+          __m256 se, so, ze, zo;
+          avx2::half_split16(ksb + 16 * c, se, so);
+          avx2::half_split16(kzb + 16 * c, ze, zo);
+          for (int g = 0; g < G; ++g) {
+            const __m256 e = _mm256_load_ps(qs[g] + 16 * c), o = _mm256_load_ps(qs[g] + 16 * c + 8);
+            _mm256_store_ps(qsc[g] + 16 * c, _mm256_mul_ps(e, se)), _mm256_store_ps(qsc[g] + 16 * c + 8, _mm256_mul_ps(o, so));
+            zsum[g] = _mm256_fmadd_ps(e, ze, _mm256_fmadd_ps(o, zo, zsum[g]));
+          }
+        }
+        for (int g = 0; g < G; ++g) kconst[g] = avx2::hsum(zsum[g]);
+      }
+      const uint8_t* kb = packed(k_cache, blk);
+      const at::BFloat16* kr = slot >= 0 ? open_rows(res_k, slot) : nullptr;
+      for (int64_t t = 0; t < n; t += 8) {  // rows past n are read (the block has BS rows), never used
+        for (int r = 0; r < 8; ++r)
+          for (int c = 0; c < D / 16; ++c) {
+            __m256 e, o;
+            if (kr) avx2::split_bf16x16(kr + (t + r) * D + 16 * c, e, o);
+            else avx2::int4_split16(kb + (t + r) * D2 + 8 * c, e, o);
+            _mm256_store_ps(kf + r * D + 16 * c, e), _mm256_store_ps(kf + r * D + 16 * c + 8, o);
+          }
+        for (int g = 0; g < G; ++g)
+          _mm256_storeu_ps(scores.data() + g * stride + t0 + t,
+                           _mm256_add_ps(avx2::dots8<D>(kr ? qs[g] : qsc[g], kf), _mm256_set1_ps(kconst[g])));
+      }
+    }
+    for (int g = 0; g < G; ++g) avx2::softmax(scores.data() + g * stride, L);
+    warm(false);
+    alignas(32) float accm[G][D];  // split as the rows: per 16-dim slice 8 even, 8 odd
+    std::memset(accm, 0, sizeof(accm));
+    __m256 zacc[G];  // sum_t p_t z_t, per lane (and the rows of blocks not a multiple of 8 long in z_tail)
+    float z_tail[G] = {};
+    for (int g = 0; g < G; ++g) zacc[g] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < nblocks; ++j) {
+      if (j + kPrefetch < nblocks) prefetch_block(nblocks + j + kPrefetch);
+      const int64_t blk = blocks[j], t0 = j * BS, n = std::min(BS, L - t0);
+      const int32_t slot = res_slot[blk];
+      if (slot >= 0) {
+        const at::BFloat16* vr = open_rows(res_v, slot);
+        avx2::pv_rows<D, G>(accm, scores.data() + t0, stride, n, [vr](int64_t t, int c, __m256& e, __m256& o) {
+          avx2::split_bf16x16(vr + t * D + 16 * c, e, o);
+        });
+        continue;
+      }
+      const at::Half* vsb = v_scale + (h * NB + blk) * BS;
+      const at::Half* vzb = v_zero + (h * NB + blk) * BS;
+      int64_t t = 0;  // p_t s_t in place of p_t, and p_t z_t into zacc
+      for (; t + 8 <= n; t += 8) {
+        const __m256 vs = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vsb + t)));
+        const __m256 vz = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vzb + t)));
+        for (int g = 0; g < G; ++g) {
+          float* p = scores.data() + g * stride + t0 + t;
+          const __m256 pv = _mm256_loadu_ps(p);
+          zacc[g] = _mm256_fmadd_ps(pv, vz, zacc[g]);
+          _mm256_storeu_ps(p, _mm256_mul_ps(pv, vs));
+        }
+      }
+      for (; t < n; ++t) {
+        const float vs = static_cast<float>(vsb[t]), vz = static_cast<float>(vzb[t]);
+        for (int g = 0; g < G; ++g) {
+          float& p = scores[g * stride + t0 + t];
+          z_tail[g] += p * vz;
+          p *= vs;
+        }
+      }
+      const uint8_t* vb = packed(v_cache, blk);
+      avx2::pv_rows<D, G>(accm, scores.data() + t0, stride, n, [vb](int64_t t, int c, __m256& e, __m256& o) {
+        avx2::int4_split16(vb + t * (D / 2) + 8 * c, e, o);
+      });
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m256 z = _mm256_set1_ps(avx2::hsum(zacc[g]) + z_tail[g]);
+      at::BFloat16* o = out + (b * H + h * G + g) * D;
+      for (int c = 0; c < D / 16; ++c)
+        avx2::store_bf16x16(o + 16 * c, _mm256_add_ps(_mm256_load_ps(accm[g] + 16 * c), z),
+                            _mm256_add_ps(_mm256_load_ps(accm[g] + 16 * c + 8), z));
+    }
+  });
+}
+
+// The AVX2 flash prefill's pieces, shared by prefill_avx2 (a bf16, int8 or fp8 cache) and prefill_int4_avx2:
+// a tile of 8 query rows in the lanes of a vector, keys 16 at a time (a chunk). Queries and p.v sums are
+// stored dims x rows, each 16-dim slice split as decode_avx2 splits rows (8 even dims, then 8 odd: q.k does
+// not care, and the output is interleaved back once per tile); the chunk's K and V rows are float in L1,
+// split the same way; the online softmax is lane-wise (no horizontal max or sum).
+namespace avx2 {
+constexpr int64_t kTileRows = 8, kChunkKeys = 16;
+
+template <int D, int G>
+struct FlashTile {
+  alignas(32) float qt[G][D][kTileRows];   // the tile's queries, split dims x rows
+  alignas(32) float acc[G][D][kTileRows];  // p.v sums, split dims x rows
+  __m256 m[G], l[G], qsum[G], zacc[G];     // per row: running max, sum; int8: sum_d q_d, sum_t p_t m_t
+
+  // The tile's rows (q0: the first, rows q_row apart; rows past `rows` zero) split and transposed.
+  void start(const at::BFloat16* q0, int64_t q_row, int64_t rows) {
+    const __m256 neg_big = _mm256_set1_ps(-1e30f);  // finite: -ffast-math assumes no infinities
+    for (int g = 0; g < G; ++g) {
+      for (int c = 0; c < D / 16; ++c) {
+        __m256 e[kTileRows], o[kTileRows];
+        for (int i = 0; i < kTileRows; ++i) {
+          if (i < rows) split_bf16x16(q0 + i * q_row + g * D + 16 * c, e[i], o[i]);
           else e[i] = o[i] = _mm256_setzero_ps();
         }
-        avx2::transpose8(e), avx2::transpose8(o);
+        transpose8(e), transpose8(o);
         for (int j = 0; j < 8; ++j) _mm256_store_ps(qt[g][16 * c + j], e[j]), _mm256_store_ps(qt[g][16 * c + 8 + j], o[j]);
       }
       __m256 sum = _mm256_setzero_ps();
       for (int d = 0; d < D; ++d) _mm256_store_ps(acc[g][d], _mm256_setzero_ps()), sum = _mm256_add_ps(sum, _mm256_load_ps(qt[g][d]));
       m[g] = neg_big, l[g] = zacc[g] = _mm256_setzero_ps(), qsum[g] = sum;
     }
-    // Positions of the tile's rows; lanes past the last row repeat it (computed, never stored).
-    const __m256i pos = _mm256_min_epi32(_mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(first_pos)), lane),
-                                         _mm256_set1_epi32(static_cast<int32_t>(first_pos + rows - 1)));
+  }
+
+  // One chunk: kf, vf its keys' rows as float (split; rows past nk zero); scores times `scale2` (the
+  // softmax scale in log2 units) or, with a quantized cache (R::kQuantized), times kmul[t] (plus kzero[t]
+  // sum(q) with R::kZero), probabilities times vmul[t] before p.v (and vzero[t] into zacc). hide[t], where
+  // given, has the lanes of the rows that do not read key t set: their scores are dropped and their
+  // probabilities zeroed (a row may read no key of a chunk).
+  template <typename R>
+  void attend(const float (*kf)[D], const float (*vf)[D], int64_t nk, __m256 scale2, const float* kmul,
+              const float* kzero, const float* vmul, const float* vzero, const __m256* hide) {
+    const __m256 neg_big = _mm256_set1_ps(-1e30f);
+    alignas(32) float pt[kChunkKeys][kTileRows];  // one head's scores, then probabilities, keys x rows
+    for (int g = 0; g < G; ++g) {
+      for (int64_t t0 = 0; t0 < kChunkKeys; t0 += 8) {  // scores of 8 keys: 8 chains over the dims
+        __m256 a[8];
+        for (int t = 0; t < 8; ++t) a[t] = _mm256_setzero_ps();
+        for (int d = 0; d < D; ++d) {
+          const __m256 qv = _mm256_load_ps(qt[g][d]);
+          for (int t = 0; t < 8; ++t) a[t] = _mm256_fmadd_ps(qv, _mm256_broadcast_ss(kf[t0 + t] + d), a[t]);
+        }
+        for (int t = 0; t < 8; ++t) _mm256_store_ps(pt[t0 + t], a[t]);
+      }
+      __m256 mx = neg_big;
+      for (int64_t t = 0; t < kChunkKeys; ++t) {
+        __m256 s = _mm256_load_ps(pt[t]);
+        if constexpr (R::kZero)
+          s = _mm256_fmadd_ps(s, _mm256_set1_ps(kmul[t]), _mm256_mul_ps(qsum[g], _mm256_set1_ps(kzero[t])));
+        else
+          s = _mm256_mul_ps(s, R::kQuantized ? _mm256_set1_ps(kmul[t]) : scale2);
+        if (hide) s = _mm256_blendv_ps(s, neg_big, hide[t]);
+        _mm256_store_ps(pt[t], s);
+        mx = _mm256_max_ps(mx, s);
+      }
+      const __m256 m_new = _mm256_max_ps(m[g], mx);
+      const __m256 alpha = exp2_ps(_mm256_sub_ps(m[g], m_new));
+      m[g] = m_new;
+      __m256 sum = _mm256_setzero_ps(), z = _mm256_mul_ps(zacc[g], alpha);
+      for (int64_t t = 0; t < kChunkKeys; ++t) {
+        __m256 e = exp2_ps(_mm256_sub_ps(_mm256_load_ps(pt[t]), m_new));
+        if (hide) e = _mm256_andnot_ps(hide[t], e);
+        sum = _mm256_add_ps(sum, e);
+        if constexpr (R::kZero) z = _mm256_fmadd_ps(e, _mm256_set1_ps(vzero[t]), z);
+        if constexpr (R::kQuantized) e = _mm256_mul_ps(e, _mm256_set1_ps(vmul[t]));
+        _mm256_store_ps(pt[t], e);
+      }
+      l[g] = _mm256_fmadd_ps(l[g], alpha, sum);
+      zacc[g] = z;
+      for (int dc = 0; dc < D; dc += 8) {  // p.v, 8 dims at a time
+        __m256 a[8];
+        for (int k = 0; k < 8; ++k) a[k] = _mm256_mul_ps(_mm256_load_ps(acc[g][dc + k]), alpha);
+        for (int64_t t = 0; t < nk; ++t) {
+          const __m256 pv = _mm256_load_ps(pt[t]);
+          for (int k = 0; k < 8; ++k) a[k] = _mm256_fmadd_ps(pv, _mm256_broadcast_ss(vf[t] + dc + k), a[k]);
+        }
+        for (int k = 0; k < 8; ++k) _mm256_store_ps(acc[g][dc + k], a[k]);
+      }
+    }
+  }
+
+  // Each row's (acc + zacc with kZero) / l, transposed back to rows, as bf16 into o0 (rows out_row apart).
+  template <bool kZero>
+  void finish(int64_t rows, at::BFloat16* o0, int64_t out_row) {
+    for (int g = 0; g < G; ++g) {
+      const __m256 inv = _mm256_div_ps(_mm256_set1_ps(1.f), l[g]);
+      const __m256 z = kZero ? zacc[g] : _mm256_setzero_ps();
+      for (int c = 0; c < D / 16; ++c) {
+        __m256 e[8], o[8];
+        for (int j = 0; j < 8; ++j) {
+          e[j] = _mm256_mul_ps(_mm256_add_ps(_mm256_load_ps(acc[g][16 * c + j]), z), inv);
+          o[j] = _mm256_mul_ps(_mm256_add_ps(_mm256_load_ps(acc[g][16 * c + 8 + j]), z), inv);
+        }
+        transpose8(e), transpose8(o);
+        for (int64_t i = 0; i < rows; ++i) store_bf16x16(o0 + i * out_row + g * D + 16 * c, e[i], o[i]);
+      }
+    }
+  }
+};
+
+// hide[t] for key j0 + t of a chunk: the lanes whose row position `pos` is outside [max(lo, j0 + t), hi).
+inline void hidden_keys(__m256i pos, int64_t j0, int64_t lo, int64_t hi, __m256* hide) {
+  const __m256i last = _mm256_set1_epi32(static_cast<int32_t>(std::min<int64_t>(hi, INT32_MAX) - 1));
+  const __m256i past_hi = _mm256_cmpgt_epi32(pos, last);
+  for (int64_t t = 0; t < kChunkKeys; ++t) {
+    const __m256i from = _mm256_set1_epi32(static_cast<int32_t>(std::max(lo, j0 + t)));
+    hide[t] = _mm256_castsi256_ps(_mm256_or_si256(_mm256_cmpgt_epi32(from, pos), past_hi));
+  }
+}
+
+// Lane i: the position of the tile's row i (lanes past the last row repeat it: computed, never stored).
+inline __m256i row_positions(int64_t first_pos, int64_t rows) {
+  return _mm256_min_epi32(_mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(first_pos)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+                          _mm256_set1_epi32(static_cast<int32_t>(first_pos + rows - 1)));
+}
+}  // namespace avx2
+
+// Causal prefill attention on AVX2 + FMA: prefill_avx512's inputs, outputs, causal positions and work
+// items, in tiles of 8 query rows, for a bf16, int8 or fp8 e4m3 cache (R above), head_dim 64 or 128, G
+// heads per kv head, blocks of a multiple of 16 tokens, by avx2::FlashTile: the chunk's K and V rows are
+// widened to float once into L1 for the tile's G heads; a key's scores for the 8 rows are one chain of FMAs
+// over the dims, each K element broadcast against the tile's queries; p.v broadcasts each V element against
+// its key's 8 probabilities into the accumulators in L1. Everything stays fp32 (p is not rounded to bf16 as
+// prefill_avx512 rounds it). A quantized cache as prefill_avx512: scores times the K scales (plus int8's
+// m_t sum(q)), probabilities times the V scales, int8's sum_t p_t m_t kept beside the accumulators and
+// added to every dim before the division by l.
+template <int D, int G, typename R>
+void prefill_avx2(const at::BFloat16* q, const typename R::T* k_cache, const typename R::T* v_cache,
+                  const float* k_scale, const float* v_scale, const int64_t* tables, int64_t max_blocks,
+                  const int64_t* q_start, const int64_t* q_len, const int64_t* ctx, int64_t P, at::BFloat16* out,
+                  int64_t H, int64_t KVH, int64_t NB, int64_t BS, float scale, int64_t q_row, int64_t out_row) {
+  using T = typename R::T;
+  constexpr int64_t QT = avx2::kTileRows, KC = avx2::kChunkKeys;
+  constexpr int64_t chunk_bytes = KC * D * static_cast<int64_t>(sizeof(T));
+  constexpr float kLog2e = 1.44269504088896341f;
+  std::vector<PrefillTile> items;
+  std::vector<int64_t> costs;
+  prefill_tiles(P, KVH, q_len, ctx, items, costs, QT);
+  const __m256 scale2 = _mm256_set1_ps(scale * kLog2e);  // scores in log2 units: exp2 below
+  for_each_costed(costs, [&](int64_t it) {
+    const PrefillTile& item = items[it];
+    const int64_t p = item.p, h = item.h, r0 = item.r0, rows = item.rows, first_pos = item.first_pos;
+    const int64_t* blocks = tables + p * max_blocks;
+    const auto [kh, vh, ksh, vsh] = head_planes<R>(k_cache, v_cache, k_scale, v_scale, h, NB * BS, D);
+    avx2::FlashTile<D, G> tile;
+    alignas(32) float kf[KC][D], vf[KC][D];  // the chunk's K and V rows as float, split
+    float kmul[KC], kzero[KC], vmul[KC], vzero[KC];  // per key: K scale x softmax scale (log2 units), m x the same; V's
+    __m256 hide[KC];
+    tile.start(q + (q_start[p] + r0) * q_row + h * G * D, q_row, rows);
+    const __m256i pos = avx2::row_positions(first_pos, rows);
     const int64_t num_keys = first_pos + rows;  // the last row attends this many keys
     for (int64_t j0 = 0; j0 < num_keys; j0 += KC) {
       const int64_t row0 = blocks[j0 / BS] * BS + j0 % BS;  // the chunk's first row (one block: BS % 16 == 0)
@@ -956,67 +1245,99 @@ void prefill_avx2(const at::BFloat16* q, const typename R::T* k_cache, const typ
           kmul[t] = ks * scale * kLog2e, kzero[t] = km * scale * kLog2e, vmul[t] = vs, vzero[t] = vm;
         }
       const bool causal = j0 + KC - 1 > first_pos;  // some key of this chunk lies past some row's position
-      for (int g = 0; g < G; ++g) {
-        for (int64_t t0 = 0; t0 < KC; t0 += 8) {  // scores of 8 keys: 8 chains over the dims
-          __m256 a[8];
-          for (int t = 0; t < 8; ++t) a[t] = _mm256_setzero_ps();
-          for (int d = 0; d < D; ++d) {
-            const __m256 qv = _mm256_load_ps(qt[g][d]);
-            for (int t = 0; t < 8; ++t) a[t] = _mm256_fmadd_ps(qv, _mm256_broadcast_ss(kf[t0 + t] + d), a[t]);
+      if (causal) avx2::hidden_keys(pos, j0, 0, INT64_MAX, hide);
+      tile.template attend<R>(kf, vf, nk, scale2, kmul, kzero, vmul, vzero, causal ? hide : nullptr);
+    }
+    tile.template finish<R::kZero>(rows, out + (q_start[p] + r0) * out_row + h * G * D, out_row);
+  });
+}
+
+// Causal prefill over an int4 (KIVI) cache on AVX2 + FMA: prefill_int4_avx512's reading (the blocks before
+// each query's own as sealed, its own block unquantized; a chunk of an open block that some rows of the tile
+// read as sealed and others as their own runs once per version, each lane hidden from the version it does not
+// read; open blocks' sealed version made once per call into `sealed_k`, `sealed_v`) on prefill_avx2's tiles.
+// Sealed rows are dequantized to float (n * s + z: keys per channel, values per token), not rounded to bf16.
+template <int D, int G>
+void prefill_int4_avx2(const at::BFloat16* q, const uint8_t* k_cache, const uint8_t* v_cache, const at::Half* k_scale,
+                       const at::Half* k_zero, const at::Half* v_scale, const at::Half* v_zero,
+                       const at::BFloat16* res_k, const at::BFloat16* res_v, const int32_t* res_slot,
+                       const at::BFloat16* sealed_k, const at::BFloat16* sealed_v, const int32_t* sealed_index,
+                       int64_t num_sealed, const int64_t* tables, int64_t max_blocks, const int64_t* q_start,
+                       const int64_t* q_len, const int64_t* ctx, int64_t P, at::BFloat16* out, int64_t H, int64_t KVH,
+                       int64_t NB, int64_t BS, int64_t R, float scale, int64_t q_row, int64_t out_row) {
+  constexpr int64_t QT = avx2::kTileRows, KC = avx2::kChunkKeys, D2 = D / 2;
+  std::vector<PrefillTile> items;
+  std::vector<int64_t> costs;
+  prefill_tiles(P, KVH, q_len, ctx, items, costs, QT);
+  const __m256 scale2 = _mm256_set1_ps(scale * 1.44269504088896341f);
+  for_each_costed(costs, [&](int64_t it) {
+    const PrefillTile& item = items[it];
+    const int64_t p = item.p, h = item.h, r0 = item.r0, rows = item.rows, first_pos = item.first_pos;
+    const int64_t last_pos = first_pos + rows - 1, num_keys = last_pos + 1;
+    const int64_t* blocks = tables + p * max_blocks;
+    avx2::FlashTile<D, G> tile;
+    alignas(32) float kf[KC][D], vf[KC][D];
+    __m256 hide[KC];
+    tile.start(q + (q_start[p] + r0) * q_row + h * G * D, q_row, rows);
+    const __m256i pos = avx2::row_positions(first_pos, rows);
+    // One pass over the chunk in kf / vf for the rows whose position lies in [max(lo, key), hi).
+    const auto attend = [&](int64_t j0, int64_t nk, int64_t lo, int64_t hi) {
+      const bool all = lo <= first_pos && hi > last_pos && j0 + KC - 1 <= first_pos;
+      if (!all) avx2::hidden_keys(pos, j0, lo, hi, hide);
+      tile.template attend<avx2::Bf16Rows2>(kf, vf, nk, scale2, nullptr, nullptr, nullptr, nullptr, all ? nullptr : hide);
+    };
+    const auto load_bf16 = [&](const at::BFloat16* kr, const at::BFloat16* vr, int64_t nk) {
+      for (int64_t t = 0; t < KC; ++t)
+        for (int c = 0; c < D / 16; ++c) {
+          __m256 ke = _mm256_setzero_ps(), ko = ke, ve = ke, vo = ke;
+          if (t < nk) avx2::split_bf16x16(kr + t * D + 16 * c, ke, ko), avx2::split_bf16x16(vr + t * D + 16 * c, ve, vo);
+          _mm256_store_ps(kf[t] + 16 * c, ke), _mm256_store_ps(kf[t] + 16 * c + 8, ko);
+          _mm256_store_ps(vf[t] + 16 * c, ve), _mm256_store_ps(vf[t] + 16 * c + 8, vo);
+        }
+    };
+    for (int64_t j0 = 0; j0 < num_keys; j0 += KC) {
+      const int64_t kb = j0 / BS, blk = blocks[kb], off = j0 % BS, block_end = (kb + 1) * BS;
+      const int64_t nk = std::min<int64_t>(KC, num_keys - j0);
+      const int32_t slot = res_slot[blk];
+      if (slot < 0) {  // sealed: dequantized into kf / vf
+        const uint8_t* kp = k_cache + ((h * NB + blk) * BS + off) * D2;
+        const uint8_t* vp = v_cache + ((h * NB + blk) * BS + off) * D2;
+        const at::Half* ksb = k_scale + (h * NB + blk) * D;
+        const at::Half* kzb = k_zero + (h * NB + blk) * D;
+        const at::Half* vsb = v_scale + (h * NB + blk) * BS + off;
+        const at::Half* vzb = v_zero + (h * NB + blk) * BS + off;
+        for (int c = 0; c < D / 16; ++c) {
+          __m256 se, so, ze, zo;
+          avx2::half_split16(ksb + 16 * c, se, so);
+          avx2::half_split16(kzb + 16 * c, ze, zo);
+          for (int64_t t = 0; t < KC; ++t) {
+            __m256 ke = _mm256_setzero_ps(), ko = ke, ve = ke, vo = ke;
+            if (t < nk) {
+              avx2::int4_split16(kp + t * D2 + 8 * c, ke, ko);
+              ke = _mm256_fmadd_ps(ke, se, ze), ko = _mm256_fmadd_ps(ko, so, zo);
+              const __m256 vs = _mm256_set1_ps(static_cast<float>(vsb[t])), vz = _mm256_set1_ps(static_cast<float>(vzb[t]));
+              avx2::int4_split16(vp + t * D2 + 8 * c, ve, vo);
+              ve = _mm256_fmadd_ps(ve, vs, vz), vo = _mm256_fmadd_ps(vo, vs, vz);
+            }
+            _mm256_store_ps(kf[t] + 16 * c, ke), _mm256_store_ps(kf[t] + 16 * c + 8, ko);
+            _mm256_store_ps(vf[t] + 16 * c, ve), _mm256_store_ps(vf[t] + 16 * c + 8, vo);
           }
-          for (int t = 0; t < 8; ++t) _mm256_store_ps(pt[t0 + t], a[t]);
         }
-        __m256 mx = neg_big;
-        for (int64_t t = 0; t < KC; ++t) {
-          __m256 s = _mm256_load_ps(pt[t]);
-          if constexpr (R::kZero)
-            s = _mm256_fmadd_ps(s, _mm256_set1_ps(kmul[t]), _mm256_mul_ps(qsum[g], _mm256_set1_ps(kzero[t])));
-          else
-            s = _mm256_mul_ps(s, R::kQuantized ? _mm256_set1_ps(kmul[t]) : scale2);
-          if (causal)  // key j0 + t past a row's position
-            s = _mm256_blendv_ps(s, neg_big, _mm256_castsi256_ps(
-                _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(j0 + t)), pos)));
-          _mm256_store_ps(pt[t], s);
-          mx = _mm256_max_ps(mx, s);
-        }
-        const __m256 m_new = _mm256_max_ps(m[g], mx);
-        const __m256 alpha = avx2::exp2_ps(_mm256_sub_ps(m[g], m_new));
-        m[g] = m_new;
-        __m256 sum = _mm256_setzero_ps(), z = _mm256_mul_ps(zacc[g], alpha);
-        for (int64_t t = 0; t < KC; ++t) {
-          __m256 e = avx2::exp2_ps(_mm256_sub_ps(_mm256_load_ps(pt[t]), m_new));
-          sum = _mm256_add_ps(sum, e);
-          if constexpr (R::kZero) z = _mm256_fmadd_ps(e, _mm256_set1_ps(vzero[t]), z);
-          if constexpr (R::kQuantized) e = _mm256_mul_ps(e, _mm256_set1_ps(vmul[t]));
-          _mm256_store_ps(pt[t], e);
-        }
-        l[g] = _mm256_fmadd_ps(l[g], alpha, sum);
-        zacc[g] = z;
-        for (int dc = 0; dc < D; dc += 8) {  // p.v, 8 dims at a time
-          __m256 a[8];
-          for (int k = 0; k < 8; ++k) a[k] = _mm256_mul_ps(_mm256_load_ps(acc[g][dc + k]), alpha);
-          for (int64_t t = 0; t < nk; ++t) {
-            const __m256 pv = _mm256_load_ps(pt[t]);
-            for (int k = 0; k < 8; ++k) a[k] = _mm256_fmadd_ps(pv, _mm256_broadcast_ss(vf[t] + dc + k), a[k]);
-          }
-          for (int k = 0; k < 8; ++k) _mm256_store_ps(acc[g][dc + k], a[k]);
-        }
+        attend(j0, nk, 0, INT64_MAX);
+        continue;
+      }
+      if (last_pos >= block_end) {  // rows past this block read it as sealed
+        const int64_t row0 = (h * num_sealed + sealed_index[blk]) * BS + off;
+        load_bf16(sealed_k + row0 * D, sealed_v + row0 * D, nk);
+        attend(j0, nk, block_end, INT64_MAX);
+      }
+      if (first_pos < block_end) {  // rows in this block read it unquantized
+        const int64_t row0 = (h * R + slot) * BS + off;
+        load_bf16(res_k + row0 * D, res_v + row0 * D, nk);
+        attend(j0, nk, 0, block_end);
       }
     }
-    for (int g = 0; g < G; ++g) {  // each row's (acc + int8's zacc) / l, transposed back to rows, as bf16
-      const __m256 inv = _mm256_div_ps(_mm256_set1_ps(1.f), l[g]);
-      const __m256 z = R::kZero ? zacc[g] : _mm256_setzero_ps();
-      for (int c = 0; c < D / 16; ++c) {
-        __m256 e[8], o[8];
-        for (int j = 0; j < 8; ++j) {
-          e[j] = _mm256_mul_ps(_mm256_add_ps(_mm256_load_ps(acc[g][16 * c + j]), z), inv);
-          o[j] = _mm256_mul_ps(_mm256_add_ps(_mm256_load_ps(acc[g][16 * c + 8 + j]), z), inv);
-        }
-        avx2::transpose8(e), avx2::transpose8(o);
-        for (int64_t i = 0; i < rows; ++i)
-          avx2::store_bf16x16(out + (q_start[p] + r0 + i) * out_row + (h * G + g) * D + 16 * c, e[i], o[i]);
-      }
-    }
+    tile.template finish<false>(rows, out + (q_start[p] + r0) * out_row + h * G * D, out_row);
   });
 }
 #endif
@@ -1899,7 +2220,6 @@ void prefill_amx(const at::BFloat16* q, const at::BFloat16* k_cache, const at::B
 // span and then its odd ones. Rather than re-interleave every row, the queries are permuted once into the
 // keys' order (per 64 dims: 32 even, 32 odd) and the V accumulators kept in the values' order (per 32
 // dims: 16 even, 16 odd), put back in order once per item; open V rows are permuted into that order.
-constexpr int64_t kPrefetch = 6;  // blocks the int4 kernel prefetches ahead into L1
 template <int D, int G>
 void decode_int4_avx512(const at::BFloat16* q, const uint8_t* k_cache, const uint8_t* v_cache, const at::Half* k_scale,
                         const at::Half* k_zero, const at::Half* v_scale, const at::Half* v_zero,
@@ -2291,7 +2611,6 @@ void quantize_into(const In* x, int64_t D, C* dst, float* slot) {
 }
 
 
-#ifdef PDSERVE_HAVE_AVX512BF16
 // What an open block reads as once sealed, exactly as kv/int4.py quantizes it (the oracle: zero = min and
 // scale = (max - min) / 15 rounded to float16, codes round((x - zero) / scale) to even in [0, 15]),
 // dequantized to bf16 as the reference reads it: rows [BS, D] of K (per channel) or V (per token) in, out.
@@ -2311,6 +2630,7 @@ void seal_open_rows(const at::BFloat16* x, int64_t BS, int64_t D, bool per_chann
   }
 }
 
+#ifdef PDSERVE_HAVE_AVX512BF16
 // (lo[i], hi[i]) pairs from a vector whose lanes 0..15 are lo and 16..31 hi: lane 2i <- i, 2i + 1 <- 16 + i.
 alignas(64) constexpr int16_t kNibblePairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                                   8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
@@ -2504,6 +2824,12 @@ bool prefill_avx2_path(bool bf16, int64_t H, int64_t KVH, int64_t D, int64_t BS)
 // of 16 tokens); otherwise it runs the portable loop.
 bool decode_int4_fast_path(bool bf16, int64_t H, int64_t KVH, int64_t D, int64_t BS) {
   return decode_fast_path(bf16, H, KVH, D) && BS % 16 == 0;
+}
+
+// Whether paged_decode_int4 has its AVX2 + FMA path (decode_int4_avx2) for these shapes: the one it takes
+// where the CPU has no AVX-512 BF16.
+bool decode_int4_avx2_path(bool bf16, int64_t H, int64_t KVH, int64_t D, int64_t BS) {
+  return bf16 && decode_avx2_path(H, KVH, D) && BS % 16 == 0;
 }
 
 // q [B, H, D]; k_cache, v_cache [KVH, NB, BS, D] (contiguous); table [B, max_blocks] int64;
@@ -2724,11 +3050,13 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
 // Decode attention over an int4 (KIVI) cache, one layer: q [B, H, D] bf16 or float32; k_cache, v_cache
 // [KVH, NB, BS, D / 2] uint8; k_scale, k_zero [KVH, NB, D] and v_scale, v_zero [KVH, NB, BS] float16;
 // residual_k, residual_v [KVH, R, BS, D] in q's dtype; residual_slot [NB] int32; table [B, max_blocks];
-// context_lens [B]. The AVX-512 kernel where decode_int4_fast_path says so, else the portable loop.
+// context_lens [B]. isa "auto": the AVX-512 kernel where decode_int4_fast_path says so, else the AVX2 one
+// where decode_int4_avx2_path does, else the portable loop; "avx2" / "portable" force one (tests, benchmarks).
 torch::Tensor paged_decode_int4(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k_scale,
                                 torch::Tensor k_zero, torch::Tensor v_scale, torch::Tensor v_zero,
                                 torch::Tensor residual_k, torch::Tensor residual_v, torch::Tensor residual_slot,
-                                torch::Tensor table, torch::Tensor context_lens, double scale) {
+                                torch::Tensor table, torch::Tensor context_lens, double scale, const std::string& isa) {
+  TORCH_CHECK(isa == "auto" || isa == "avx2" || isa == "portable", "isa must be auto, avx2 or portable, not ", isa);
   TORCH_CHECK(q.device().is_cpu(), "paged_decode_int4 runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && residual_k.dim() == 4,
               "bad shapes");
@@ -2745,16 +3073,26 @@ torch::Tensor paged_decode_int4(torch::Tensor q, torch::Tensor k_cache, torch::T
   TORCH_CHECK(H % KVH == 0 && k_cache.size(3) * 2 == D && residual_k.size(3) == D && residual_k.size(2) == BS,
               "head layout mismatch");
   auto out = torch::empty_like(q);
+  const bool bf16 = q.scalar_type() == torch::kBFloat16;
+  const auto args = [&] {  // the bf16 kernels' arguments
+    return std::make_tuple(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(),
+                           k_scale.data_ptr<at::Half>(), k_zero.data_ptr<at::Half>(), v_scale.data_ptr<at::Half>(),
+                           v_zero.data_ptr<at::Half>(), residual_k.data_ptr<at::BFloat16>(),
+                           residual_v.data_ptr<at::BFloat16>(), residual_slot.data_ptr<int32_t>(),
+                           table.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(),
+                           B, H, KVH, NB, BS, R, table.size(1), static_cast<float>(scale));
+  };
+  const bool avx2 = decode_int4_avx2_path(bf16, H, KVH, D, BS);
+  TORCH_CHECK(isa != "avx2" || avx2, "no AVX2 int4 decode path for this build, dtype or shape");
 #ifdef PDSERVE_HAVE_AVX512BF16
-  if (decode_int4_fast_path(q.scalar_type() == torch::kBFloat16, H, KVH, D, BS)) {
-    with_shape(H / KVH, D, [&](auto d, auto g) {
-      decode_int4_avx512<decltype(d)::value, decltype(g)::value>(
-          q.data_ptr<at::BFloat16>(), k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(), k_scale.data_ptr<at::Half>(),
-          k_zero.data_ptr<at::Half>(), v_scale.data_ptr<at::Half>(), v_zero.data_ptr<at::Half>(),
-          residual_k.data_ptr<at::BFloat16>(), residual_v.data_ptr<at::BFloat16>(), residual_slot.data_ptr<int32_t>(),
-          table.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), B, H, KVH, NB, BS, R,
-          table.size(1), static_cast<float>(scale));
-    });
+  if (isa == "auto" && decode_int4_fast_path(bf16, H, KVH, D, BS)) {
+    with_shape(H / KVH, D, [&](auto d, auto g) { std::apply(decode_int4_avx512<decltype(d)::value, decltype(g)::value>, args()); });
+    return out;
+  }
+#endif
+#ifdef PDSERVE_HAVE_AVX2
+  if (avx2 && isa != "portable") {
+    with_shape(H / KVH, D, [&](auto d, auto g) { std::apply(decode_int4_avx2<decltype(d)::value, decltype(g)::value>, args()); });
     return out;
   }
 #endif
@@ -2780,19 +3118,23 @@ torch::Tensor paged_decode_int4(torch::Tensor q, torch::Tensor k_cache, torch::T
 // Causal prefill attention over an int4 (KIVI) cache, as paged_prefill (q, out bf16 [T, H, D], rows may be
 // strided) with the cache tensors of paged_decode_int4 (residual pool bf16, blocks of a multiple of 16
 // tokens). Each query reads the blocks before its own as sealed (open ones quantized on the fly, as
-// kv/int4.py seals them) and its own block unquantized. Returns false (nothing done) where this build or
-// these shapes have no fast path.
+// kv/int4.py seals them) and its own block unquantized. isa: "auto" the AVX-512 BF16 kernel where this build
+// has it, else the AVX2 + FMA one; "avx512" / "avx2" only that one. Returns false (nothing done) where this
+// build or these shapes have no such path.
 bool paged_prefill_int4(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k_scale,
                         torch::Tensor k_zero, torch::Tensor v_scale, torch::Tensor v_zero, torch::Tensor residual_k,
                         torch::Tensor residual_v, torch::Tensor residual_slot, torch::Tensor tables,
-                        torch::Tensor q_start, torch::Tensor q_len, torch::Tensor ctx, double scale, torch::Tensor out) {
-#ifdef PDSERVE_HAVE_AVX512BF16
+                        torch::Tensor q_start, torch::Tensor q_len, torch::Tensor ctx, double scale, torch::Tensor out,
+                        const std::string& isa) {
+  TORCH_CHECK(isa == "auto" || isa == "avx512" || isa == "avx2", "isa must be auto, avx512 or avx2, not ", isa);
   const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(0), NB = k_cache.size(1), BS = k_cache.size(2);
   const int64_t R = residual_k.size(1);
   const auto rows_ok = [&](const torch::Tensor& t) { return t.stride(2) == 1 && t.stride(1) == D && t.stride(0) % 2 == 0; };
   const bool bf16 = q.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16 &&
                     residual_k.scalar_type() == torch::kBFloat16;
-  if (!decode_int4_fast_path(bf16, H, KVH, D, BS) || !rows_ok(q) || !rows_ok(out)) return false;
+  const bool avx512 = isa != "avx2" && decode_int4_fast_path(bf16, H, KVH, D, BS);
+  const bool avx2 = !avx512 && isa != "avx512" && decode_int4_avx2_path(bf16, H, KVH, D, BS);
+  if (!(avx512 || avx2) || !rows_ok(q) || !rows_ok(out)) return false;
   TORCH_CHECK(k_cache.scalar_type() == torch::kByte && k_scale.scalar_type() == torch::kHalf &&
                   residual_slot.scalar_type() == torch::kInt && residual_v.scalar_type() == torch::kBFloat16,
               "int4 cache: uint8 packed rows, float16 scales, int32 slots, residual in bf16");
@@ -2832,13 +3174,21 @@ bool paged_prefill_int4(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
       seal_open_rows(rv + src, BS, D, false, sv + dst);
     }
   });
-  with_shape(H / KVH, D, [&](auto d, auto g) {
-    prefill_int4_avx512<decltype(d)::value, decltype(g)::value>(
-        q.data_ptr<at::BFloat16>(), k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(), k_scale.data_ptr<at::Half>(),
-        k_zero.data_ptr<at::Half>(), v_scale.data_ptr<at::Half>(), v_zero.data_ptr<at::Half>(), rk, rv, slot, sk, sv,
-        sealed_index.data(), n, tab, max_blocks, q_start.data_ptr<int64_t>(), q_len.data_ptr<int64_t>(), cl, P,
-        out.data_ptr<at::BFloat16>(), H, KVH, NB, BS, R, static_cast<float>(scale), q.stride(0), out.stride(0));
-  });
+  const auto args = std::make_tuple(
+      q.data_ptr<at::BFloat16>(), k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(), k_scale.data_ptr<at::Half>(),
+      k_zero.data_ptr<at::Half>(), v_scale.data_ptr<at::Half>(), v_zero.data_ptr<at::Half>(), rk, rv, slot,
+      static_cast<const at::BFloat16*>(sk), static_cast<const at::BFloat16*>(sv),
+      static_cast<const int32_t*>(sealed_index.data()), n, static_cast<const int64_t*>(tab), max_blocks,
+      static_cast<const int64_t*>(q_start.data_ptr<int64_t>()), static_cast<const int64_t*>(q_len.data_ptr<int64_t>()), cl,
+      P, out.data_ptr<at::BFloat16>(), H, KVH, NB, BS, R, static_cast<float>(scale), q.stride(0), out.stride(0));
+#ifdef PDSERVE_HAVE_AVX512BF16
+  if (avx512) {
+    with_shape(H / KVH, D, [&](auto d, auto g) { std::apply(prefill_int4_avx512<decltype(d)::value, decltype(g)::value>, args); });
+    return true;
+  }
+#endif
+#ifdef PDSERVE_HAVE_AVX2
+  with_shape(H / KVH, D, [&](auto d, auto g) { std::apply(prefill_int4_avx2<decltype(d)::value, decltype(g)::value>, args); });
   return true;
 #else
   return false;
@@ -2858,12 +3208,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "new K/V rows into the paged caches by slot (quantized on the way for int8/fp8)",
         py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), no_scale("k_scale"),
         no_scale("v_scale"));
-  m.def("paged_decode_int4", &paged_decode_int4, "paged decode attention over an int4 (KIVI) cache (CPU)");
-  m.def("paged_prefill_int4", &paged_prefill_int4, "paged causal prefill attention over an int4 (KIVI) cache (CPU, bf16)");
+  m.def("paged_decode_int4", &paged_decode_int4, "paged decode attention over an int4 (KIVI) cache (CPU)", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("k_zero"), py::arg("v_scale"),
+        py::arg("v_zero"), py::arg("residual_k"), py::arg("residual_v"), py::arg("residual_slot"), py::arg("table"),
+        py::arg("context_lens"), py::arg("scale"), py::arg("isa") = "auto");
+  m.def("paged_prefill_int4", &paged_prefill_int4, "paged causal prefill attention over an int4 (KIVI) cache (CPU, bf16)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k_scale"), py::arg("k_zero"), py::arg("v_scale"),
+        py::arg("v_zero"), py::arg("residual_k"), py::arg("residual_v"), py::arg("residual_slot"), py::arg("tables"),
+        py::arg("q_start"), py::arg("q_len"), py::arg("ctx"), py::arg("scale"), py::arg("out"), py::arg("isa") = "auto");
   m.def("decode_fast_path", &decode_fast_path, "whether paged_decode has an AVX-512 BF16 path for (bf16, H, KVH, D)");
   m.def("decode_avx2_path", &decode_avx2_path, "whether paged_decode has an AVX2 + FMA path for (H, KVH, D), bf16");
   m.def("decode_int4_fast_path", &decode_int4_fast_path,
         "whether paged_decode_int4 has an AVX-512 BF16 path for (bf16, H, KVH, D, BS)");
+  m.def("decode_int4_avx2_path", &decode_int4_avx2_path,
+        "whether paged_decode_int4 has an AVX2 + FMA path for (bf16, H, KVH, D, BS)");
   m.def("prefill_fast_path", &prefill_fast_path, "whether paged_prefill has an AVX-512 BF16 path for (bf16, H, KVH, D, BS)");
   m.def("prefill_avx2_path", &prefill_avx2_path, "whether paged_prefill has an AVX2 + FMA path for (bf16, H, KVH, D, BS)");
   m.def("paged_prefill_amx", &paged_prefill_amx, "paged causal prefill attention on AMX BF16 tiles (CPU, bf16 cache)",
