@@ -15,11 +15,15 @@ CPU, int4 16), one new token per sequence per step. What a step costs is weight 
 
 Beside each TPOT it times decode attention alone on the same cache: the backend's `decode` for every
 layer, the step's queries at random (a 30-layer cache of GBs, blocks distinct per layer and sequence: read
-cold from DRAM, as in a step). Both are the median over `--steps`; `--repeats N` times every point N times back to back and prints
-the best with the spread (max / min - 1); the dtypes run one after the other in one process.
+cold from DRAM, as in a step). Both are the median over `--steps`; `--repeats N` times every point N times
+and prints the best with the spread (max / min - 1). Every dtype's cache is built at the start and each
+point runs the dtypes in turn, the order reversed every other repeat: this host kind's DRAM bandwidth
+drifts by the minute, and one dtype's whole sweep after another's measured the drift (int8 0.75x bf16 at
+batch 1 in one such run, ~1.0x alternating).
 
 A (batch, context) point whose cache would exceed `--max-kv-gb` in some dtype is skipped in that dtype
-(bf16 at 64 x 8k needs ~12 GB for SmolLM2, int8 ~6 GB: that is the capacity gain). Prints ms per step
+(bf16 at 64 x 8k needs ~12 GB for SmolLM2, int8 ~6 GB: that is the capacity gain); the caches coexist,
+so the memory used is up to `--max-kv-gb` per dtype. Prints ms per step
 (TPOT) and attention ms per step per dtype with the speedup over the first dtype, the capacity (tokens per
 GiB of `--kv-cache-memory-gb`, before int4's residual pool) and the host (`measure_machine`); writes
 JSON with `--json`. On a busy machine the figures mean little: run on a quiet one, repeat, read the spread.
@@ -166,6 +170,7 @@ def main() -> None:
     backends: dict[str, str] = {}
     capacity: dict[str, int] = {}  # tokens per GiB
     block_sizes: dict[str, int] = {}
+    runs: dict[str, tuple[ModelRunner, KVCache, int]] = {}  # every dtype's cache at once: points alternate
     for kv_dtype in kv_dtypes:
         bs = block_sizes[kv_dtype] = args.block_size or default_block_size(eng.device.type, kv_dtype)
         layout = KVLayout.for_model(cfg, bs, kv_dtype, eng.dtype)
@@ -184,20 +189,25 @@ def main() -> None:
         attn = make_attention(args.attention_backend, eng.dtype, eng.device, layout.kv_dtype)
         attn.warmup(cache.layers[0], cfg.num_heads)
         backends[kv_dtype] = attn.name
-        runner = ModelRunner(eng.model, cache, attn, eng.device)
+        runs[kv_dtype] = (ModelRunner(eng.model, cache, attn, eng.device), cache, bs)
         paths = getattr(attn, "kernel_paths", None)  # cpu-paged names the kernels it runs for this cache
         kernels = f" (decode {paths(cache.layers[0], cfg.num_heads)[0]})" if paths else ""
         print(f"{kv_dtype}: {layout.describe()}; {num_blocks} blocks, {cache.nbytes / 2**30:.2f} GiB; "
               f"{capacity[kv_dtype]} tokens per GiB; attention {attn.name}{kernels}", flush=True)
-        for b, c in fits:
-            tpot[(b, c)][kv_dtype], attn_s[(b, c)][kv_dtype] = [], []
-            for _ in range(args.repeats):
-                tpot[(b, c)][kv_dtype].append(time_point(runner, b, c, args.steps, bs))  # type: ignore[union-attr]
-                attn_s[(b, c)][kv_dtype].append(time_attention(  # type: ignore[union-attr]
+    for (b, c), times in tpot.items():
+        live = [d for d in runs if times.get(d, []) is not None]
+        for d in live:
+            tpot[(b, c)][d], attn_s[(b, c)][d] = [], []
+        for r in range(args.repeats):  # the dtypes in turn, the order reversed every other repeat
+            for d in live if r % 2 == 0 else live[::-1]:
+                runner, cache, bs = runs[d]
+                tpot[(b, c)][d].append(time_point(runner, b, c, args.steps, bs))  # type: ignore[union-attr]
+                attn_s[(b, c)][d].append(time_attention(  # type: ignore[union-attr]
                     runner, cache, b, c, args.steps, bs, cfg.num_heads, cfg.head_dim, eng.dtype))
-            print(f"  {kv_dtype} batch {b} context {c}: TPOT {[round(x * 1e3, 2) for x in tpot[(b, c)][kv_dtype]]} ms, "  # type: ignore[union-attr]
-                  f"attention {[round(x * 1e3, 2) for x in attn_s[(b, c)][kv_dtype]]} ms", flush=True)  # type: ignore[union-attr]
-        del runner, cache
+        for d in live:
+            print(f"  {d} batch {b} context {c}: TPOT {[round(x * 1e3, 2) for x in tpot[(b, c)][d]]} ms, "  # type: ignore[union-attr]
+                  f"attention {[round(x * 1e3, 2) for x in attn_s[(b, c)][d]]} ms", flush=True)  # type: ignore[union-attr]
+    del runs
 
     first = kv_dtypes[0]
     spread = lambda t: f" ±{(max(t) / min(t) - 1) * 100:.0f}%" if len(t) > 1 else ""  # noqa: E731
