@@ -2244,7 +2244,7 @@ void decode_int4_avx512(const at::BFloat16* q, const uint8_t* k_cache, const uin
     _mm512_store_ps(dst + 32, _mm512_permutex2var_ps(x[0], odd, x[1]));
     _mm512_store_ps(dst + 48, _mm512_permutex2var_ps(x[2], odd, x[3]));
   };
-  for_each_item(ctx, B, KVH, [&](int64_t idx) {
+  for_each_item_ranged(ctx, B, KVH, [&](int64_t idx, bool first, bool last) {
     thread_local std::vector<float> scores;
     const int64_t b = idx / KVH, h = idx % KVH, L = ctx[b];
     const int64_t* blocks = table + b * max_blocks;
@@ -2276,11 +2276,12 @@ void decode_int4_avx512(const at::BFloat16* q, const uint8_t* k_cache, const uin
     alignas(64) uint16_t qbf[G][D];      // q_c s_c as bf16, in the keys' order
     alignas(64) float sk[D];
     float kconst[G];
-    // A pure-load pass over the item's K side (sealed blocks: packed rows and the channel scales and
-    // zeros; open ones: the residual rows) before the K pass, and its V side before p.v, as decode_avx512
-    // warms: on a cold 30-layer cache (0.5-2 GB, 16-token blocks, SmolLM2's shape) 1.5-2.0x faster than
-    // without (best of 7, interleaved, a shared busy host; docs/kv_quantization.md).
-    const auto warm = [&](bool k_side) {
+    // Memory as decode_avx512: a thread's first item reads its K side (sealed blocks: packed rows and the
+    // channel scales and zeros; open ones: the residual rows) in a pure-load pass before the K pass; every
+    // later side arrives through L2 streams paced by the compute of the side before (the item's V under its
+    // K pass, the thread's next item's K under p.v). Open blocks' residual rows are not streamed (one per
+    // sequence, written a step ago); the streams read their stale sealed bytes instead, harmlessly.
+    const auto warm_k = [&] {
       __m512i x = _mm512_setzero_si512();
       const auto lines = [&](const void* p, int64_t bytes) {
         for (int64_t off = 0; off < bytes; off += 64)
@@ -2289,20 +2290,35 @@ void decode_int4_avx512(const at::BFloat16* q, const uint8_t* k_cache, const uin
       for (int64_t j = 0; j < nblocks; ++j) {
         const int64_t blk = blocks[j], n = std::min(BS, L - j * BS);
         const int32_t slot = res_slot[blk];
-        if (slot >= 0) {
-          lines(open_rows(k_side ? res_k : res_v, slot), n * D * 2);
-          continue;
-        }
-        lines((k_side ? k_cache : v_cache) + (h * NB + blk) * packed_bytes, n * D2);
-        if (k_side) lines(k_scale + (h * NB + blk) * D, 2 * D), lines(k_zero + (h * NB + blk) * D, 2 * D);
-        else lines(v_scale + (h * NB + blk) * BS, 2 * n), lines(v_zero + (h * NB + blk) * BS, 2 * n);
+        if (slot >= 0) lines(open_rows(res_k, slot), n * D * 2);
+        else lines(k_cache + (h * NB + blk) * packed_bytes, n * D2), lines(k_scale + (h * NB + blk) * D, 2 * D),
+             lines(k_zero + (h * NB + blk) * D, 2 * D);
       }
       asm volatile("" : : "v"(x));  // keeps the loads
     };
-    warm(true);
+    L2Stream streams[3];  // packed rows, scales, zeros of one side
+    const auto start_side = [&](bool k_side, int64_t kv_head, const int64_t* blk, int64_t L1) {
+      const int64_t nb1 = (L1 + BS - 1) / BS, last_rows = L1 - (nb1 - 1) * BS;
+      const int64_t plane = kv_head * NB;
+      if (k_side) {
+        streams[0].start(k_cache + plane * packed_bytes, blk, nb1, packed_bytes, last_rows * D2);
+        streams[1].start(k_scale + plane * D, blk, nb1, 2 * D, 2 * D);
+        streams[2].start(k_zero + plane * D, blk, nb1, 2 * D, 2 * D);
+      } else {
+        streams[0].start(v_cache + plane * packed_bytes, blk, nb1, packed_bytes, last_rows * D2);
+        streams[1].start(v_scale + plane * BS, blk, nb1, 2 * BS, 2 * last_rows);
+        streams[2].start(v_zero + plane * BS, blk, nb1, 2 * BS, 2 * last_rows);
+      }
+    };
+    const auto pace = [&](int64_t done, int64_t total) {
+      for (L2Stream& st : streams) st.pace(done, total);
+    };
+    if (first) warm_k();
+    start_side(false, h, blocks, L);
     for (int64_t a = 0; a < kPrefetch && a < 2 * nblocks; ++a) prefetch_block(a);
     for (int64_t j = 0; j < nblocks; ++j) {
       if (j + kPrefetch < 2 * nblocks) prefetch_block(j + kPrefetch);
+      pace(j + 1, nblocks);
       const int64_t blk = blocks[j], t0 = j * BS, n = std::min(BS, L - t0);
       const int32_t slot = res_slot[blk];
       if (slot >= 0) {  // open: bf16 rows, as the bf16 kernel
@@ -2347,7 +2363,9 @@ void decode_int4_avx512(const at::BFloat16* q, const uint8_t* k_cache, const uin
       }
     }
     for (int g = 0; g < G; ++g) softmax_avx512(scores.data() + g * stride, L);
-    warm(false);
+    pace(1, 1);  // the rest of V
+    for (L2Stream& st : streams) st = L2Stream();
+    if (!last) start_side(true, (idx + 1) % KVH, table + (idx + 1) / KVH * max_blocks, ctx[(idx + 1) / KVH]);
     alignas(64) float accm[G][D];  // in the values' order
     __m512 zacc[G];                // sum_t p_t z_t, per lane
     for (int g = 0; g < G; ++g) {
@@ -2356,6 +2374,7 @@ void decode_int4_avx512(const at::BFloat16* q, const uint8_t* k_cache, const uin
     }
     for (int64_t j = 0; j < nblocks; ++j) {
       if (j + kPrefetch < nblocks) prefetch_block(nblocks + j + kPrefetch);
+      pace(j + 1, nblocks);
       const int64_t blk = blocks[j], t0 = j * BS, n = std::min(BS, L - t0);
       const int32_t slot = res_slot[blk];
       const at::BFloat16* vr = slot >= 0 ? open_rows(res_v, slot) : nullptr;
@@ -2387,6 +2406,7 @@ void decode_int4_avx512(const at::BFloat16* q, const uint8_t* k_cache, const uin
           v0 = _mm512_permutexvar_ps(w, nib_f32), v1 = _mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), nib_f32);
         });
     }
+    pace(1, 1);  // the rest of the next item's K
     for (int g = 0; g < G; ++g) {  // back in order, plus the zeros' share
       at::BFloat16* o = out + (b * H + h * G + g) * D;
       const __m512 z = _mm512_set1_ps(_mm512_reduce_add_ps(zacc[g]));
