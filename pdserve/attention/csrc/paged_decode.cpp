@@ -185,6 +185,39 @@ struct L2Stream {
   }
 };
 
+// The passes of an int4 prefill tile over its keys (prefill_int4_avx512 and prefill_int4_avx2 share this
+// reading of torch_ref._prefill_int4): keys 16 at a time (j0, nk); a sealed block's chunk once for every row
+// (sealed(blk, off, nk) loads it dequantized); an open block's chunk once from its sealed version
+// (`sealed_k`, `sealed_v` at `sealed_index[blk]`) for the rows past the block and once unquantized for the
+// rows inside it (rows(k, v, nk) loads bf16 rows). attend(j0, nk, lo, hi) runs a pass for the rows whose
+// position lies in [max(lo, key), hi).
+template <int D, typename Sealed, typename Rows, typename Attend>
+inline void int4_prefill_passes(int64_t first_pos, int64_t last_pos, const int64_t* blocks, int64_t BS, int64_t h,
+                                const int32_t* res_slot, const at::BFloat16* res_k, const at::BFloat16* res_v, int64_t R,
+                                const at::BFloat16* sealed_k, const at::BFloat16* sealed_v, const int32_t* sealed_index,
+                                int64_t num_sealed, const Sealed& sealed, const Rows& rows, const Attend& attend) {
+  for (int64_t j0 = 0; j0 <= last_pos; j0 += 16) {
+    const int64_t kb = j0 / BS, blk = blocks[kb], off = j0 % BS, block_end = (kb + 1) * BS;
+    const int64_t nk = std::min<int64_t>(16, last_pos + 1 - j0);
+    const int32_t slot = res_slot[blk];
+    if (slot < 0) {  // sealed: one pass under the causal mask
+      sealed(blk, off, nk);
+      attend(j0, nk, 0, INT64_MAX);
+      continue;
+    }
+    if (last_pos >= block_end) {  // rows past this block read it as sealed
+      const int64_t row0 = (h * num_sealed + sealed_index[blk]) * BS + off;
+      rows(sealed_k + row0 * D, sealed_v + row0 * D, nk);
+      attend(j0, nk, block_end, INT64_MAX);
+    }
+    if (first_pos < block_end) {  // rows in this block read it unquantized
+      const int64_t row0 = (h * R + slot) * BS + off;
+      rows(res_k + row0 * D, res_v + row0 * D, nk);
+      attend(j0, nk, 0, block_end);
+    }
+  }
+}
+
 // Row loaders of the portable loop: load(rows, is_v, h, blk, n) writes the first n rows of block blk of
 // kv head h (is_v: the V side, else K) as float into rows [n, D]. A policy per cache layout keeps one
 // skeleton (decode_kernel) for every dtype.
@@ -1273,7 +1306,7 @@ void prefill_int4_avx2(const at::BFloat16* q, const uint8_t* k_cache, const uint
   for_each_costed(costs, [&](int64_t it) {
     const PrefillTile& item = items[it];
     const int64_t p = item.p, h = item.h, r0 = item.r0, rows = item.rows, first_pos = item.first_pos;
-    const int64_t last_pos = first_pos + rows - 1, num_keys = last_pos + 1;
+    const int64_t last_pos = first_pos + rows - 1;
     const int64_t* blocks = tables + p * max_blocks;
     avx2::FlashTile<D, G> tile;
     alignas(32) float kf[KC][D], vf[KC][D];
@@ -1295,48 +1328,33 @@ void prefill_int4_avx2(const at::BFloat16* q, const uint8_t* k_cache, const uint
           _mm256_store_ps(vf[t] + 16 * c, ve), _mm256_store_ps(vf[t] + 16 * c + 8, vo);
         }
     };
-    for (int64_t j0 = 0; j0 < num_keys; j0 += KC) {
-      const int64_t kb = j0 / BS, blk = blocks[kb], off = j0 % BS, block_end = (kb + 1) * BS;
-      const int64_t nk = std::min<int64_t>(KC, num_keys - j0);
-      const int32_t slot = res_slot[blk];
-      if (slot < 0) {  // sealed: dequantized into kf / vf
-        const uint8_t* kp = k_cache + ((h * NB + blk) * BS + off) * D2;
-        const uint8_t* vp = v_cache + ((h * NB + blk) * BS + off) * D2;
-        const at::Half* ksb = k_scale + (h * NB + blk) * D;
-        const at::Half* kzb = k_zero + (h * NB + blk) * D;
-        const at::Half* vsb = v_scale + (h * NB + blk) * BS + off;
-        const at::Half* vzb = v_zero + (h * NB + blk) * BS + off;
-        for (int c = 0; c < D / 16; ++c) {
-          __m256 se, so, ze, zo;
-          avx2::half_split16(ksb + 16 * c, se, so);
-          avx2::half_split16(kzb + 16 * c, ze, zo);
-          for (int64_t t = 0; t < KC; ++t) {
-            __m256 ke = _mm256_setzero_ps(), ko = ke, ve = ke, vo = ke;
-            if (t < nk) {
-              avx2::int4_split16(kp + t * D2 + 8 * c, ke, ko);
-              ke = _mm256_fmadd_ps(ke, se, ze), ko = _mm256_fmadd_ps(ko, so, zo);
-              const __m256 vs = _mm256_set1_ps(static_cast<float>(vsb[t])), vz = _mm256_set1_ps(static_cast<float>(vzb[t]));
-              avx2::int4_split16(vp + t * D2 + 8 * c, ve, vo);
-              ve = _mm256_fmadd_ps(ve, vs, vz), vo = _mm256_fmadd_ps(vo, vs, vz);
-            }
-            _mm256_store_ps(kf[t] + 16 * c, ke), _mm256_store_ps(kf[t] + 16 * c + 8, ko);
-            _mm256_store_ps(vf[t] + 16 * c, ve), _mm256_store_ps(vf[t] + 16 * c + 8, vo);
+    const auto sealed = [&](int64_t blk, int64_t off, int64_t nk) {  // dequantized into kf / vf
+      const uint8_t* kp = k_cache + ((h * NB + blk) * BS + off) * D2;
+      const uint8_t* vp = v_cache + ((h * NB + blk) * BS + off) * D2;
+      const at::Half* ksb = k_scale + (h * NB + blk) * D;
+      const at::Half* kzb = k_zero + (h * NB + blk) * D;
+      const at::Half* vsb = v_scale + (h * NB + blk) * BS + off;
+      const at::Half* vzb = v_zero + (h * NB + blk) * BS + off;
+      for (int c = 0; c < D / 16; ++c) {
+        __m256 se, so, ze, zo;
+        avx2::half_split16(ksb + 16 * c, se, so);
+        avx2::half_split16(kzb + 16 * c, ze, zo);
+        for (int64_t t = 0; t < KC; ++t) {
+          __m256 ke = _mm256_setzero_ps(), ko = ke, ve = ke, vo = ke;
+          if (t < nk) {
+            avx2::int4_split16(kp + t * D2 + 8 * c, ke, ko);
+            ke = _mm256_fmadd_ps(ke, se, ze), ko = _mm256_fmadd_ps(ko, so, zo);
+            const __m256 vs = _mm256_set1_ps(static_cast<float>(vsb[t])), vz = _mm256_set1_ps(static_cast<float>(vzb[t]));
+            avx2::int4_split16(vp + t * D2 + 8 * c, ve, vo);
+            ve = _mm256_fmadd_ps(ve, vs, vz), vo = _mm256_fmadd_ps(vo, vs, vz);
           }
+          _mm256_store_ps(kf[t] + 16 * c, ke), _mm256_store_ps(kf[t] + 16 * c + 8, ko);
+          _mm256_store_ps(vf[t] + 16 * c, ve), _mm256_store_ps(vf[t] + 16 * c + 8, vo);
         }
-        attend(j0, nk, 0, INT64_MAX);
-        continue;
       }
-      if (last_pos >= block_end) {  // rows past this block read it as sealed
-        const int64_t row0 = (h * num_sealed + sealed_index[blk]) * BS + off;
-        load_bf16(sealed_k + row0 * D, sealed_v + row0 * D, nk);
-        attend(j0, nk, block_end, INT64_MAX);
-      }
-      if (first_pos < block_end) {  // rows in this block read it unquantized
-        const int64_t row0 = (h * R + slot) * BS + off;
-        load_bf16(res_k + row0 * D, res_v + row0 * D, nk);
-        attend(j0, nk, 0, block_end);
-      }
-    }
+    };
+    int4_prefill_passes<D>(first_pos, last_pos, blocks, BS, h, res_slot, res_k, res_v, R, sealed_k, sealed_v,
+                           sealed_index, num_sealed, sealed, load_bf16, attend);
     tile.template finish<false>(rows, out + (q_start[p] + r0) * out_row + h * G * D, out_row);
   });
 }
@@ -2763,45 +2781,29 @@ void prefill_int4_avx512(const at::BFloat16* q, const uint8_t* k_cache, const ui
           _mm512_store_si512(kconv + t * (D / 2) + 16 * c, _mm512_loadu_si512(kr + t * D + 32 * c));
       interleave_v(nk, [&](int t, int c) { return _mm512_loadu_si512(vr + t * D + 32 * c); });
     };
-    const int64_t num_keys = last_pos + 1;
-    for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
-      const int64_t kb = j0 / BS, blk = blocks[kb], off = j0 % BS, block_end = (kb + 1) * BS;
-      const int64_t nk = std::min<int64_t>(16, num_keys - j0);
-      const int32_t slot = res_slot[blk];
-      if (slot < 0) {  // sealed: dequantized in place, one pass under the causal mask
-        const uint8_t* kp = k_cache + ((h * NB + blk) * BS + off) * D2;
-        const uint8_t* vp = v_cache + ((h * NB + blk) * BS + off) * D2;
-        const at::Half* ksb = k_scale + (h * NB + blk) * D;
-        const at::Half* kzb = k_zero + (h * NB + blk) * D;
-        for (int c = 0; c < D / 32; ++c) {
-          const auto half16 = [](const at::Half* x) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))); };
-          const __m512 s0 = half16(ksb + 32 * c), s1 = half16(ksb + 32 * c + 16);
-          const __m512 z0 = half16(kzb + 32 * c), z1 = half16(kzb + 32 * c + 16);
-          const __m512 se = _mm512_permutex2var_ps(s0, even, s1), so = _mm512_permutex2var_ps(s0, odd, s1);
-          const __m512 ze = _mm512_permutex2var_ps(z0, even, z1), zo = _mm512_permutex2var_ps(z0, odd, z1);
-          for (int t = 0; t < 16; ++t)
-            _mm512_store_si512(kconv + t * (D / 2) + 16 * c, int4_bf16x32(kp + t * D2 + 16 * c, se, ze, so, zo));
-        }
-        const at::Half* vsb = v_scale + (h * NB + blk) * BS + off;
-        const at::Half* vzb = v_zero + (h * NB + blk) * BS + off;
-        interleave_v(nk, [&](int t, int c) {
-          const __m512 s = _mm512_set1_ps(static_cast<float>(vsb[t])), z = _mm512_set1_ps(static_cast<float>(vzb[t]));
-          return int4_bf16x32(vp + t * D2 + 16 * c, s, z, s, z);
-        });
-        attend(j0, nk, 0, INT64_MAX);
-        continue;
+    const auto sealed = [&](int64_t blk, int64_t off, int64_t nk) {  // dequantized in place
+      const uint8_t* kp = k_cache + ((h * NB + blk) * BS + off) * D2;
+      const uint8_t* vp = v_cache + ((h * NB + blk) * BS + off) * D2;
+      const at::Half* ksb = k_scale + (h * NB + blk) * D;
+      const at::Half* kzb = k_zero + (h * NB + blk) * D;
+      for (int c = 0; c < D / 32; ++c) {
+        const auto half16 = [](const at::Half* x) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))); };
+        const __m512 s0 = half16(ksb + 32 * c), s1 = half16(ksb + 32 * c + 16);
+        const __m512 z0 = half16(kzb + 32 * c), z1 = half16(kzb + 32 * c + 16);
+        const __m512 se = _mm512_permutex2var_ps(s0, even, s1), so = _mm512_permutex2var_ps(s0, odd, s1);
+        const __m512 ze = _mm512_permutex2var_ps(z0, even, z1), zo = _mm512_permutex2var_ps(z0, odd, z1);
+        for (int t = 0; t < 16; ++t)
+          _mm512_store_si512(kconv + t * (D / 2) + 16 * c, int4_bf16x32(kp + t * D2 + 16 * c, se, ze, so, zo));
       }
-      if (last_pos >= block_end) {  // rows past this block read it as sealed
-        const int64_t row0 = (h * num_sealed + sealed_index[blk]) * BS + off;
-        load_bf16(sealed_k + row0 * D, sealed_v + row0 * D, nk);
-        attend(j0, nk, block_end, INT64_MAX);
-      }
-      if (first_pos < block_end) {  // rows in this block read it unquantized
-        const int64_t row0 = (h * R + slot) * BS + off;
-        load_bf16(res_k + row0 * D, res_v + row0 * D, nk);
-        attend(j0, nk, 0, block_end);
-      }
-    }
+      const at::Half* vsb = v_scale + (h * NB + blk) * BS + off;
+      const at::Half* vzb = v_zero + (h * NB + blk) * BS + off;
+      interleave_v(nk, [&](int t, int c) {
+        const __m512 s = _mm512_set1_ps(static_cast<float>(vsb[t])), z = _mm512_set1_ps(static_cast<float>(vzb[t]));
+        return int4_bf16x32(vp + t * D2 + 16 * c, s, z, s, z);
+      });
+    };
+    int4_prefill_passes<D>(first_pos, last_pos, blocks, BS, h, res_slot, res_k, res_v, R, sealed_k, sealed_v,
+                           sealed_index, num_sealed, sealed, load_bf16, attend);
     finish_tile<D, G>(acc, l, rows, lane, out + (q_start[p] + r0) * out_row + h * G * D, out_row);
   });
 }
