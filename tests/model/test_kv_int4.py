@@ -541,31 +541,39 @@ def test_avx2_int4_prefill_equals_the_reference(bs, d, group):
     assert err.max() < 1.5e-2 and err.mean() < 1e-3, (err.max(), err.mean())
 
 
-def test_bf16_engine_runs_the_avx512_int4_kernels():
-    """A bf16 engine with head_dim 64 and blocks of 16 runs the AVX-512 int4 decode and prefill (the
-    start log's paths), chunked prompts included, and its greedy tokens mostly equal the torch
-    reference's (bf16 sums in another order may flip a near tie of the random model)."""
+def _int4_engine_case():  # type: ignore[no-untyped-def]
+    """A qwen-like random model (head_dim 64, 3 query heads per kv head), four prompts, greedy parameters,
+    and engine(backend): a bf16 engine on it with an int4 cache in blocks of 16 and chunked prompts."""
     from pdserve import LLM
-    from pdserve.attention.cpu_paged import load_kernel
     from pdserve.model.llama import random_weights
     from tests.model.test_kernel_paths import qwen_like
 
-    if not load_kernel().decode_int4_fast_path(True, 9, 3, 64, 16):
-        pytest.skip("no AVX-512 BF16 here: the int4 kernels' portable paths are tested above")
     cfg = qwen_like(64)
     weights = random_weights(cfg)
     prompts = random_prompts(4, 30, 70, seed=3, vocab=cfg.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
-    def run(backend: str):  # type: ignore[no-untyped-def]
-        llm = LLM(dtype="bfloat16", device="cpu", model_config=cfg, weights=weights, num_blocks=64, block_size=16,
-                  kv_cache_dtype="int4", attention_backend=backend, max_num_batched_tokens=48)
-        return llm, _greedy(llm, prompts, params)
+    def engine(backend: str):  # type: ignore[no-untyped-def]
+        return LLM(dtype="bfloat16", device="cpu", model_config=cfg, weights=weights, num_blocks=64, block_size=16,
+                   kv_cache_dtype="int4", attention_backend=backend, max_num_batched_tokens=48)
 
-    llm, got = run("cpu-paged")
+    return cfg, prompts, params, engine
+
+
+def test_bf16_engine_runs_the_avx512_int4_kernels():
+    """A bf16 engine with head_dim 64 and blocks of 16 runs the AVX-512 int4 decode and prefill (the
+    start log's paths), chunked prompts included, and its greedy tokens mostly equal the torch
+    reference's (bf16 sums in another order may flip a near tie of the random model)."""
+    from pdserve.attention.cpu_paged import load_kernel
+
+    if not load_kernel().decode_int4_fast_path(True, 9, 3, 64, 16):
+        pytest.skip("no AVX-512 BF16 here: the int4 kernels' portable paths are tested above")
+    cfg, prompts, params, engine = _int4_engine_case()
+    llm = engine("cpu-paged")
+    got = _greedy(llm, prompts, params)
     decode, prefill, why = llm.engine.runner.attn.kernel_paths(llm.engine.kv_cache.layers[0], cfg.num_heads)
     assert "AVX-512" in decode and "AVX-512" in prefill and why is None
-    _, want = run("torch")
+    want = _greedy(engine("torch"), prompts, params)
     same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
     assert same >= 0.75 * sum(len(w) for w in want), (got, want)
 
@@ -608,10 +616,7 @@ def test_engine_on_the_avx2_int4_kernels():
     """An engine on an AVX2 host: the start log names the AVX2 int4 decode and prefill, and a bf16 engine
     with a qwen-like shape (head_dim 64, 3 query heads per kv head, blocks of 16) running them, chunked
     prompts included, gives mostly the torch reference's greedy tokens."""
-    from pdserve import LLM
     from pdserve.attention.cpu_paged import load_kernel
-    from pdserve.model.llama import random_weights
-    from tests.model.test_kernel_paths import qwen_like
 
     try:
         kernel = load_kernel()
@@ -619,15 +624,7 @@ def test_engine_on_the_avx2_int4_kernels():
         pytest.skip(f"cpu-paged unavailable: {e}")
     if not kernel.decode_int4_avx2_path(True, 9, 3, 64, 16):
         pytest.skip("no AVX2 + FMA kernels in this build")
-    cfg = qwen_like(64)
-    weights = random_weights(cfg)
-    prompts = random_prompts(4, 30, 70, seed=3, vocab=cfg.vocab_size)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-
-    def engine(backend: str):  # type: ignore[no-untyped-def]
-        return LLM(dtype="bfloat16", device="cpu", model_config=cfg, weights=weights, num_blocks=64, block_size=16,
-                   kv_cache_dtype="int4", attention_backend=backend, max_num_batched_tokens=48)
-
+    cfg, prompts, params, engine = _int4_engine_case()
     llm = engine("cpu-paged")
     attn = llm.engine.runner.attn
     attn._kernel = avx2 = _Avx2Only(attn._kernel)
