@@ -44,8 +44,8 @@ An int4 cache (KIVI, kv/int4.py) decodes through `paged_decode_int4` and prefill
 `paged_prefill_int4`: AVX-512 BF16 kernels, else AVX2 + FMA ones, for the fast shapes (blocks of a
 multiple of 16) that read sealed blocks' packed nibbles in place (key channel scales folded into the
 query once per block, value scales into the probabilities) and open blocks from the residual pool;
-elsewhere a portable decode loop and the reference's prefill. Writes are the torch reference's (they only fill the unquantized residual
-pool). Not timed by `autotune` (one candidate per phase).
+elsewhere a portable decode loop and the reference's prefill. Writes are the torch reference's (they
+only fill the unquantized residual pool). Not timed by `autotune` (one candidate per phase).
 
 Where the CPU has AMX (and Linux grants the tile state), prefill has a third candidate, `paged_prefill_amx`:
 the same flash loop with both products on the tile unit (scores as K Q^T, output as V^T P^T, so the
@@ -219,25 +219,16 @@ class CpuPagedAttention(TorchAttention):
         k = self._kernel
         fast = bool(k.decode_int4_fast_path(bf16, num_heads, kvh, head_dim, block_size))
         avx2 = bool(k.decode_int4_avx2_path(bf16, num_heads, kvh, head_dim, block_size))
-        if fast:
-            decode = f"C++ AVX-512 BF16, int4 KV ({shape})"
-        elif avx2:
-            decode = f"C++ AVX2 + FMA, int4 KV ({shape})"
-        else:
-            decode = "C++ portable loop, int4 KV"
-        if fast:
-            prefill = f"C++ AVX-512 BF16 flash, int4 KV ({shape})"
-        elif avx2:
-            prefill = f"C++ AVX2 + FMA flash, int4 KV ({shape})"
-        else:
-            prefill = "torch reference (int4)"
+        isa = "AVX-512 BF16" if fast else "AVX2 + FMA" if avx2 else None
+        decode = f"C++ {isa}, int4 KV ({shape})" if isa else "C++ portable loop, int4 KV"
+        prefill = f"C++ {isa} flash, int4 KV ({shape})" if isa else "torch reference (int4)"
         why = None
         if not (fast or avx2):
             if not (k.decode_int4_fast_path(True, 9, 3, 64, 16) or k.decode_int4_avx2_path(True, 9, 3, 64, 16)):
                 why = "this CPU or compiler has neither AVX-512 BF16 nor AVX2 + FMA"
             elif not bf16:
                 why = f"the residual pool is {cache.residual_k.dtype}, the fast int4 decode reads bf16"  # type: ignore[union-attr]
-            elif not k.decode_fast_path(True, num_heads, kvh, head_dim):
+            elif not (k.decode_fast_path(True, num_heads, kvh, head_dim) or k.decode_avx2_path(num_heads, kvh, head_dim)):
                 why = f"{shape} is outside the fast kernels' head_dim 64/128 and 1-8 heads per kv head"
             else:
                 why = f"block size {block_size} is not a multiple of 16"

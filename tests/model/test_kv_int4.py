@@ -599,6 +599,9 @@ class _Avx2Only:
     def decode_int4_fast_path(self, *args) -> bool:  # type: ignore[no-untyped-def]
         return False
 
+    def decode_fast_path(self, *args) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
     def paged_decode_int4(self, *args):  # type: ignore[no-untyped-def]
         self.calls["decode"] += 1
         return self._kernel.paged_decode_int4(*args, isa="avx2")
@@ -631,6 +634,8 @@ def test_engine_on_the_avx2_int4_kernels():
     decode, prefill, why = attn.kernel_paths(llm.engine.kv_cache.layers[0], cfg.num_heads)
     shape = f"head_dim 64, {cfg.num_heads // cfg.num_kv_heads} query heads per kv head"
     assert (decode, prefill, why) == (f"C++ AVX2 + FMA, int4 KV ({shape})", f"C++ AVX2 + FMA flash, int4 KV ({shape})", None)
+    assert attn.kernel_paths(_random_int4_layer(8, 64, 2, 4, 2, seed=0), 6) == (
+        "C++ portable loop, int4 KV", "torch reference (int4)", "block size 8 is not a multiple of 16")
     got = _greedy(llm, prompts, params)
     assert avx2.calls["decode"] > 0 and avx2.calls["prefill"] > 0, avx2.calls
     want = _greedy(engine("torch"), prompts, params)
