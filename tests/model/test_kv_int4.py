@@ -427,21 +427,29 @@ def test_avx512_int4_decode_equals_the_reference(fast_int4_kernel, bs, d, group)
     assert (portable.float() - want).abs().max() < 1.5e-2  # the case itself is sound
 
 
-@pytest.mark.parametrize("bs,d", [(16, 64), (16, 128), (32, 64), (32, 128)])
-@pytest.mark.parametrize("group", [1, 3, 6, 7, 8])
-def test_avx2_int4_decode_equals_the_reference(bs, d, group):
-    """The AVX2 + FMA int4 decode (hosts without AVX-512 BF16; forced here by `isa="avx2"` wherever the
-    build has AVX2) against the reference in float32 on the same mixed sealed/open caches. It keeps
-    q_c s_c in float32 (no bf16 dot product to feed), so only the bf16 output rounds: measured max error
-    3.9e-3 .. 7.8e-3 over these cases, the portable loop's own."""
+@pytest.fixture(scope="module")
+def avx2_int4_kernel():  # type: ignore[no-untyped-def]
+    """The kernel module where its build has the AVX2 + FMA int4 kernels (every x86-64 host of this machine
+    kind; tests force them with `isa="avx2"`)."""
     from pdserve.attention.cpu_paged import load_kernel
 
     try:
         kernel = load_kernel()
     except Exception as e:  # no compiler here
         pytest.skip(f"cpu-paged unavailable: {e}")
-    if not kernel.decode_int4_avx2_path(True, 2 * group, 2, d, bs):
+    if not kernel.decode_int4_avx2_path(True, 6, 2, 64, 16):
         pytest.skip("no AVX2 + FMA kernels in this build")
+    return kernel
+
+
+@pytest.mark.parametrize("bs,d", [(16, 64), (16, 128), (32, 64), (32, 128)])
+@pytest.mark.parametrize("group", [1, 3, 6, 7, 8])
+def test_avx2_int4_decode_equals_the_reference(avx2_int4_kernel, bs, d, group):
+    """The AVX2 + FMA int4 decode (hosts without AVX-512 BF16; forced here by `isa="avx2"` wherever the
+    build has AVX2) against the reference in float32 on the same mixed sealed/open caches. It keeps
+    q_c s_c in float32 (no bf16 dot product to feed), so only the bf16 output rounds: measured max error
+    3.9e-3 .. 7.8e-3 over these cases, the portable loop's own."""
+    kernel = avx2_int4_kernel
     got, want, portable = _int4_decode_case(kernel, bs, d, group, seed=bs + d + group, isa="avx2")
     err = (got.float() - want).abs()
     assert err.max() < 1e-2 and err.mean() < 1e-3, (err.max(), err.mean())
@@ -523,19 +531,12 @@ def test_avx512_int4_prefill_equals_the_reference(fast_int4_kernel, bs, d, group
 
 @pytest.mark.parametrize("bs,d", [(16, 64), (16, 128), (32, 64), (32, 128)])
 @pytest.mark.parametrize("group", [1, 3, 6, 7])
-def test_avx2_int4_prefill_equals_the_reference(bs, d, group):
+def test_avx2_int4_prefill_equals_the_reference(avx2_int4_kernel, bs, d, group):
     """The AVX2 + FMA int4 prefill (forced by `isa="avx2"`) against the reference in float32: sealed rows
     dequantized to float (not rounded to bf16) and p kept in float, so only the output's bf16 rounding and
     the open blocks' sealed versions (bf16, as the reference's) differ; measured over these cases: max error
     7.5e-3 .. 9.5e-3, mean ~5e-4 (the AVX-512 kernel's: 1.6e-2 .. 4.1e-2, ~1e-3)."""
-    from pdserve.attention.cpu_paged import load_kernel
-
-    try:
-        kernel = load_kernel()
-    except Exception as e:  # no compiler here
-        pytest.skip(f"cpu-paged unavailable: {e}")
-    if not kernel.decode_int4_avx2_path(True, 2 * group, 2, d, bs):
-        pytest.skip("no AVX2 + FMA kernels in this build")
+    kernel = avx2_int4_kernel
     got, want = _int4_prefill_case(kernel, bs, d, group, seed=3 * bs + d + group, isa="avx2")
     err = (got.float() - want).abs()
     assert err.max() < 1.5e-2 and err.mean() < 1e-3, (err.max(), err.mean())
@@ -615,18 +616,10 @@ class _Avx2Only:
         return getattr(self._kernel, name)
 
 
-def test_engine_on_the_avx2_int4_kernels():
+def test_engine_on_the_avx2_int4_kernels(avx2_int4_kernel):
     """An engine on an AVX2 host: the start log names the AVX2 int4 decode and prefill, and a bf16 engine
     with a qwen-like shape (head_dim 64, 3 query heads per kv head, blocks of 16) running them, chunked
     prompts included, gives mostly the torch reference's greedy tokens."""
-    from pdserve.attention.cpu_paged import load_kernel
-
-    try:
-        kernel = load_kernel()
-    except Exception as e:  # no compiler here
-        pytest.skip(f"cpu-paged unavailable: {e}")
-    if not kernel.decode_int4_avx2_path(True, 9, 3, 64, 16):
-        pytest.skip("no AVX2 + FMA kernels in this build")
     cfg, prompts, params, engine = _int4_engine_case()
     llm = engine("cpu-paged")
     attn = llm.engine.runner.attn
