@@ -218,6 +218,29 @@ inline void int4_prefill_passes(int64_t first_pos, int64_t last_pos, const int64
   }
 }
 
+// Where an int4 (KIVI) cache's bytes lie for kv head h (paged_decode_int4's layout): spans(k_side, blk, n,
+// fn) calls fn(pointer, bytes) for each run block blk's first n rows occupy on one side: an open block
+// (res_slot >= 0) its residual bf16 rows; a sealed one its packed rows, then the K side's channel scales and
+// zeros (whole block) or the V side's token scales and zeros. The int4 decode kernels' prefetch and
+// pure-load passes walk these.
+struct Int4Spans {
+  const uint8_t* k_cache;
+  const uint8_t* v_cache;
+  const at::Half *k_scale, *k_zero, *v_scale, *v_zero;
+  const at::BFloat16 *res_k, *res_v;
+  const int32_t* res_slot;
+  int64_t h, NB, BS, R, D;
+  template <typename F>
+  void spans(bool k_side, int64_t blk, int64_t n, const F& fn) const {
+    const int32_t slot = res_slot[blk];
+    if (slot >= 0) return fn((k_side ? res_k : res_v) + (h * R + slot) * BS * D, n * D * 2);
+    const int64_t plane = h * NB + blk;
+    fn((k_side ? k_cache : v_cache) + plane * BS * (D / 2), n * (D / 2));
+    if (k_side) fn(k_scale + plane * D, 2 * D), fn(k_zero + plane * D, 2 * D);
+    else fn(v_scale + plane * BS, 2 * n), fn(v_zero + plane * BS, 2 * n);
+  }
+};
+
 // Row loaders of the portable loop: load(rows, is_v, h, blk, n) writes the first n rows of block blk of
 // kv head h (is_v: the V side, else K) as float into rows [n, D]. A policy per cache layout keeps one
 // skeleton (decode_kernel) for every dtype.
@@ -955,7 +978,7 @@ void decode_int4_avx2(const at::BFloat16* q, const uint8_t* k_cache, const uint8
                       const int64_t* table, const int64_t* ctx, at::BFloat16* out, int64_t B, int64_t H, int64_t KVH,
                       int64_t NB, int64_t BS, int64_t R, int64_t max_blocks, float scale) {
   constexpr int D2 = D / 2;
-  const int64_t packed_bytes = BS * D2, open_bytes = BS * D * 2;
+  const int64_t packed_bytes = BS * D2;
   for_each_item(ctx, B, KVH, [&](int64_t idx) {
     thread_local std::vector<float> scores;
     const int64_t b = idx / KVH, h = idx % KVH, L = ctx[b];
@@ -965,14 +988,9 @@ void decode_int4_avx2(const at::BFloat16* q, const uint8_t* k_cache, const uint8
     scores.resize(G * stride);
     const auto open_rows = [&](const at::BFloat16* pool, int32_t slot) { return pool + (h * R + slot) * BS * D; };
     const auto packed = [&](const uint8_t* cache, int64_t blk) { return cache + (h * NB + blk) * packed_bytes; };
+    const Int4Spans where{k_cache, v_cache, k_scale, k_zero, v_scale, v_zero, res_k, res_v, res_slot, h, NB, BS, R, D};
     const auto prefetch_block = [&](int64_t a) {  // block a's K side (or, past the last, V block a - nblocks)
-      const bool k_side = a < nblocks;
-      const int64_t blk = blocks[k_side ? a : a - nblocks];
-      const int32_t slot = res_slot[blk];
-      if (slot >= 0) return prefetch_rows(open_rows(k_side ? res_k : res_v, slot), open_bytes);
-      prefetch_rows(packed(k_side ? k_cache : v_cache, blk), packed_bytes);
-      if (k_side) prefetch_rows(k_scale + (h * NB + blk) * D, 2 * D), prefetch_rows(k_zero + (h * NB + blk) * D, 2 * D);
-      else prefetch_rows(v_scale + (h * NB + blk) * BS, 2 * BS), prefetch_rows(v_zero + (h * NB + blk) * BS, 2 * BS);
+      where.spans(a < nblocks, blocks[a < nblocks ? a : a - nblocks], BS, prefetch_rows);
     };
     const auto warm = [&](bool k_side) {  // one load per cache line of the item's K (or V) side
       __m256i x = _mm256_setzero_si256();
@@ -980,17 +998,7 @@ void decode_int4_avx2(const at::BFloat16* q, const uint8_t* k_cache, const uint8
         for (int64_t off = 0; off < bytes; off += 64)
           x = _mm256_or_si256(x, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const char*>(p) + off)));
       };
-      for (int64_t j = 0; j < nblocks; ++j) {
-        const int64_t blk = blocks[j], n = std::min(BS, L - j * BS);
-        const int32_t slot = res_slot[blk];
-        if (slot >= 0) {
-          lines(open_rows(k_side ? res_k : res_v, slot), n * D * 2);
-          continue;
-        }
-        lines(packed(k_side ? k_cache : v_cache, blk), n * D2);
-        if (k_side) lines(k_scale + (h * NB + blk) * D, 2 * D), lines(k_zero + (h * NB + blk) * D, 2 * D);
-        else lines(v_scale + (h * NB + blk) * BS, 2 * n), lines(v_zero + (h * NB + blk) * BS, 2 * n);
-      }
+      for (int64_t j = 0; j < nblocks; ++j) where.spans(k_side, blocks[j], std::min(BS, L - j * BS), lines);
       asm volatile("" : : "x"(x));  // keeps the loads
     };
     alignas(32) float qs[G][D], qsc[G][D], kf[8 * D];  // queries x softmax scale; x a block's channel scales; 8 rows
@@ -2246,7 +2254,7 @@ void decode_int4_avx512(const at::BFloat16* q, const uint8_t* k_cache, const uin
                         const int64_t* table, const int64_t* ctx, at::BFloat16* out, int64_t B, int64_t H, int64_t KVH,
                         int64_t NB, int64_t BS, int64_t R, int64_t max_blocks, float scale) {
   constexpr int NC = D / 32, D2 = D / 2;
-  const int64_t packed_bytes = BS * D2, open_bytes = BS * D * 2;
+  const int64_t packed_bytes = BS * D2;
   const __m512 vscale = _mm512_set1_ps(scale);
   alignas(64) uint16_t nib_bf16[32];  // bf16 of (i & 15): the permute reads the low 5 bits of each lane
   for (int i = 0; i < 32; ++i) nib_bf16[i] = static_cast<uint16_t>(at::BFloat16(static_cast<float>(i & 15)).x);
@@ -2272,15 +2280,10 @@ void decode_int4_avx512(const at::BFloat16* q, const uint8_t* k_cache, const uin
     const int64_t stride = nblocks * BS + 16;
     scores.resize(G * stride);
     const auto open_rows = [&](const at::BFloat16* pool, int32_t slot) { return pool + (h * R + slot) * BS * D; };
+    const Int4Spans where{k_cache, v_cache, k_scale, k_zero, v_scale, v_zero, res_k, res_v, res_slot, h, NB, BS, R, D};
     // Block a's K side with its scales (or, past the last, V block a - nblocks), into L1.
     const auto prefetch_block = [&](int64_t a) {
-      const bool k_side = a < nblocks;
-      const int64_t blk = blocks[k_side ? a : a - nblocks];
-      const int32_t slot = res_slot[blk];
-      if (slot >= 0) return prefetch_rows(open_rows(k_side ? res_k : res_v, slot), open_bytes);
-      prefetch_rows((k_side ? k_cache : v_cache) + (h * NB + blk) * packed_bytes, packed_bytes);
-      if (k_side) prefetch_rows(k_scale + (h * NB + blk) * D, 2 * D), prefetch_rows(k_zero + (h * NB + blk) * D, 2 * D);
-      else prefetch_rows(v_scale + (h * NB + blk) * BS, 2 * BS), prefetch_rows(v_zero + (h * NB + blk) * BS, 2 * BS);
+      where.spans(a < nblocks, blocks[a < nblocks ? a : a - nblocks], BS, prefetch_rows);
     };
     alignas(64) float qf[G][D], qk[G][D];  // queries x softmax scale: in order, and in the keys' order
     for (int g = 0; g < G; ++g) {
@@ -2306,13 +2309,7 @@ void decode_int4_avx512(const at::BFloat16* q, const uint8_t* k_cache, const uin
         for (int64_t off = 0; off < bytes; off += 64)
           x = _mm512_or_si512(x, _mm512_loadu_si512(static_cast<const char*>(p) + off));
       };
-      for (int64_t j = 0; j < nblocks; ++j) {
-        const int64_t blk = blocks[j], n = std::min(BS, L - j * BS);
-        const int32_t slot = res_slot[blk];
-        if (slot >= 0) lines(open_rows(res_k, slot), n * D * 2);
-        else lines(k_cache + (h * NB + blk) * packed_bytes, n * D2), lines(k_scale + (h * NB + blk) * D, 2 * D),
-             lines(k_zero + (h * NB + blk) * D, 2 * D);
-      }
+      for (int64_t j = 0; j < nblocks; ++j) where.spans(true, blocks[j], std::min(BS, L - j * BS), lines);
       asm volatile("" : : "v"(x));  // keeps the loads
     };
     L2Stream streams[3];  // packed rows, scales, zeros of one side
