@@ -368,20 +368,21 @@ def _int4_decode_case(kernel, bs: int, d: int, group: int, seed: int, isa: str =
     """(C++ int4 decode in bf16, the reference in float32, the portable loop in bf16) on a random cache:
     requests with a partly filled open last block, one all open, one of exactly full sealed blocks, one
     shorter than 16 tokens, one with an open block mid-context (adopted from the prefix cache before it
-    was sealed), block tables in random order and padded."""
+    was sealed), one of 20 blocks and a few tokens (the AVX-512 kernel's integer p.v takes sealed blocks
+    in runs of at most 256 rows; an open block splits its runs), block tables in random order and padded."""
     from pdserve.attention.base import DecodeGroup
     from pdserve.attention.torch_ref import TorchAttention
 
     kvh, nb = 2, 64
     layer = _random_int4_layer(bs, d, kvh, nb, slots=12, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
-    ctx = [3 * bs + 5, bs - 3, 4 * bs, 7, 2 * bs + 1, 5 * bs + bs // 2]
+    ctx = [3 * bs + 5, bs - 3, 4 * bs, 7, 2 * bs + 1, 5 * bs + bs // 2, 20 * bs + 3]
     perm = torch.randperm(nb, generator=g).tolist()
     tables, used = [], 0
     for n in ctx:
         tables.append(perm[used : used + -(-n // bs)])
         used += len(tables[-1])
-    opened = [t[-1] for n, t in zip(ctx, tables) if n % bs] + [tables[4][1], tables[5][0]]  # + mid-context
+    opened = [t[-1] for n, t in zip(ctx, tables) if n % bs] + [tables[4][1], tables[5][0], tables[6][9]]  # + mid-context
     for slot, blk in enumerate(opened):
         layer.residual_slot[blk] = slot
     width = max(len(t) for t in tables)

@@ -169,7 +169,9 @@ struct L2Stream {
   int64_t block_bytes = 0, last_bytes = 0, nblocks = 0, lines = 0, issued = 0, j = 0, off = 0;
   void start(const void* b, const int64_t* blk, int64_t nb, int64_t bytes_per_block, int64_t bytes_of_last) {
     base = static_cast<const char*>(b), blocks = blk, nblocks = nb, block_bytes = bytes_per_block;
-    last_bytes = bytes_of_last, lines = nb == 0 ? 0 : ((nb - 1) * bytes_per_block + bytes_of_last + 63) / 64;
+    // Each block's lines counted apart: blocks lie anywhere, so two 32-byte blocks (an int4 cache's V scales
+    // of 16 tokens) are two lines, not one.
+    last_bytes = bytes_of_last, lines = nb == 0 ? 0 : (nb - 1) * ((bytes_per_block + 63) / 64) + (bytes_of_last + 63) / 64;
     issued = j = off = 0;
   }
   void pace(int64_t done, int64_t total) {
@@ -1640,6 +1642,53 @@ inline void int_pv_block_vnni(float (*accm)[D], const float* p, int64_t stride, 
   }
 }
 
+// int4 V's p.v in integers (AVX512-VNNI), as int_pv_block_vnni: over a run of m rows in whole blocks of BS
+// rows (block(k) gives the k-th block's packed rows; its rows past m unused), each head's weights already in
+// int16 steps (w16, unit: avx2::int16_weights of p_t s_t), two rows' packed bytes interleaved and widened
+// to int16: the low nibbles are the 32-dim slice's 16 even dims, the high ones its 16 odd dims (the
+// values' order accm [G][D] keeps), and vpdpwssd adds each pair of products against the two weights to
+// int32 sums, 32 multiply-adds per instruction where the float path converts every value and does 16.
+// The 2G sums of a slice stay in registers over the whole run (|w| <= 32767 times n <= 15 over at most
+// 256 rows: below 2^31) and join accm once per run. block(k) is called in the first slice's pass, just
+// before block k is read (the caller prefetches and paces there).
+template <int D, int G, typename Block>
+inline void int4_pv_run_vnni(float (*accm)[D], const int16_t (*w16)[avx2::kPvRows + 16], const float* unit, int64_t m,
+                             int64_t BS, const Block& block) {
+  constexpr int D2 = D / 2;
+  const uint8_t* rows_at[avx2::kPvRows / 16];
+  const __m512i low = _mm512_set1_epi16(15);
+  for (int c = 0; c < D / 32; ++c) {
+    __m512i ev[G], od[G];
+    for (int g = 0; g < G; ++g) ev[g] = od[g] = _mm512_setzero_si512();
+    const auto rows = [&](const uint8_t* r0, const uint8_t* r1, int64_t i) __attribute__((always_inline)) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r0));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r1));
+      const __m512i x = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b)));
+      const __m512i e = _mm512_and_si512(x, low), o = _mm512_srli_epi16(x, 4);  // dword j: (row 0, row 1) of dim 2j / 2j + 1
+      for (int g = 0; g < G; ++g) {
+        int32_t pair;
+        std::memcpy(&pair, w16[g] + 2 * i, sizeof(pair));
+        const __m512i w = _mm512_set1_epi32(pair);
+        ev[g] = _mm512_dpwssd_epi32(ev[g], w, e);
+        od[g] = _mm512_dpwssd_epi32(od[g], w, o);
+      }
+    };
+    for (int64_t t0 = 0, k = 0; t0 < m; t0 += BS, ++k) {
+      if (c == 0) rows_at[k] = block(k);
+      const uint8_t* vb = rows_at[k] + 16 * c;
+      const int64_t n = std::min(BS, m - t0), full = n / 2;
+      for (int64_t i = 0; i < full; ++i) rows(vb + 2 * i * D2, vb + (2 * i + 1) * D2, t0 / 2 + i);
+      if (n & 1) rows(vb + (n - 1) * D2, vb + (n - 1) * D2, t0 / 2 + full);  // paired with itself, weight w16[g][m] = 0
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512 u = _mm512_set1_ps(unit[g]);
+      float* acc = accm[g] + 32 * c;
+      _mm512_store_ps(acc, _mm512_fmadd_ps(_mm512_cvtepi32_ps(ev[g]), u, _mm512_load_ps(acc)));
+      _mm512_store_ps(acc + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(od[g]), u, _mm512_load_ps(acc + 16)));
+    }
+  }
+}
+
 // q.k for 16 bf16 K rows (k: the first, rows D apart) and the G query heads q (bf16, heads D apart), 32
 // dim pairs per vdpbf16ps and the 16 rows' sums reduced together: done(g, dots) takes head g's 16 scores.
 // Shared by every decode kernel's K pass (bf16 blocks, quantized rows converted to bf16 in L1, int4 open
@@ -2279,6 +2328,7 @@ void decode_int4_avx512(const at::BFloat16* q, const uint8_t* k_cache, const uin
     const at::BFloat16* qh = q + (b * H + h * G) * D;
     const int64_t stride = nblocks * BS + 16;
     scores.resize(G * stride);
+    float* const sc = scores.data();  // (one thread-local lookup: the loops below would repeat it)
     const auto open_rows = [&](const at::BFloat16* pool, int32_t slot) { return pool + (h * R + slot) * BS * D; };
     const Int4Spans where{k_cache, v_cache, k_scale, k_zero, v_scale, v_zero, res_k, res_v, res_slot, h, NB, BS, R, D};
     // Block a's K side with its scales (or, past the last, V block a - nblocks), into L1.
@@ -2341,7 +2391,7 @@ void decode_int4_avx512(const at::BFloat16* q, const uint8_t* k_cache, const uin
         const at::BFloat16* kb = open_rows(res_k, slot);
         for (int64_t t = 0; t < n; t += 16)  // rows past n are read (the slot has BS rows), never used
           bf16_scores16<D, G>(qh, kb + t * D, [&](int g, __m512 dots) {
-            _mm512_storeu_ps(scores.data() + g * stride + t0 + t, _mm512_mul_ps(dots, vscale));
+            _mm512_storeu_ps(sc + g * stride + t0 + t, _mm512_mul_ps(dots, vscale));
           });
         continue;
       }
@@ -2374,53 +2424,88 @@ void decode_int4_avx512(const at::BFloat16* q, const uint8_t* k_cache, const uin
             _mm512_store_si512(kconv + r * D + d + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), nib_table));
           }
         bf16_scores16<D, G>(qbf, kconv, [&](int g, __m512 dots) {
-          _mm512_storeu_ps(scores.data() + g * stride + t0 + t, _mm512_add_ps(dots, _mm512_set1_ps(kconst[g])));
+          _mm512_storeu_ps(sc + g * stride + t0 + t, _mm512_add_ps(dots, _mm512_set1_ps(kconst[g])));
         });
       }
     }
-    for (int g = 0; g < G; ++g) softmax_avx512(scores.data() + g * stride, L);
+    for (int g = 0; g < G; ++g) softmax_avx512(sc + g * stride, L);
     pace(1, 1);  // the rest of V
     for (L2Stream& st : streams) st = L2Stream();
     if (!last) start_side(true, (idx + 1) % KVH, table + (idx + 1) / KVH * max_blocks, ctx[(idx + 1) / KVH]);
     alignas(64) float accm[G][D];  // in the values' order
     __m512 zacc[G];                // sum_t p_t z_t, per lane
+    alignas(64) int16_t w16[G][avx2::kPvRows + 16];  // a run's weights in int16 steps of unit[g]
+    float unit[G];
     for (int g = 0; g < G; ++g) {
       zacc[g] = _mm512_setzero_ps();
       for (int d = 0; d < D; d += 16) _mm512_store_ps(accm[g] + d, _mm512_setzero_ps());
     }
-    for (int64_t j = 0; j < nblocks; ++j) {
-      if (j + kPrefetch < nblocks) prefetch_block(nblocks + j + kPrefetch);
-      pace(j + 1, nblocks);
+    // A sealed block's V scales into its weights (p_t s_t in place of p_t) and its zeros' share into zacc.
+    const auto fold_v = [&](int64_t j) {
       const int64_t blk = blocks[j], t0 = j * BS, n = std::min(BS, L - t0);
-      const int32_t slot = res_slot[blk];
-      const at::BFloat16* vr = slot >= 0 ? open_rows(res_v, slot) : nullptr;
-      const uint8_t* vb = v_cache + (h * NB + blk) * packed_bytes;
-      if (slot < 0) {  // sealed: p_t s_t in place of p_t, and p_t z_t into zacc
-        const at::Half* vsb = v_scale + (h * NB + blk) * BS;
-        const at::Half* vzb = v_zero + (h * NB + blk) * BS;
-        for (int64_t t = 0; t < n; t += 16) {
-          const __mmask16 live = n - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - t)) - 1u);
-          const __m512 vs = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, vsb + t));
-          const __m512 vz = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, vzb + t));
+      const at::Half* vsb = v_scale + (h * NB + blk) * BS;
+      const at::Half* vzb = v_zero + (h * NB + blk) * BS;
+      for (int64_t t = 0; t < n; t += 16) {
+        if (n - t >= 16) {
+          const __m512 vs = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vsb + t)));
+          const __m512 vz = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vzb + t)));
           for (int g = 0; g < G; ++g) {
-            float* p = scores.data() + g * stride + t0 + t;
-            const __m512 pv = _mm512_maskz_loadu_ps(live, p);
+            float* p = sc + g * stride + t0 + t;
+            const __m512 pv = _mm512_loadu_ps(p);
             zacc[g] = _mm512_fmadd_ps(pv, vz, zacc[g]);
-            _mm512_mask_storeu_ps(p, live, _mm512_mul_ps(pv, vs));
+            _mm512_storeu_ps(p, _mm512_mul_ps(pv, vs));
           }
+          continue;
+        }
+        const __mmask16 live = static_cast<__mmask16>((1u << (n - t)) - 1u);
+        const __m512 vs = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, vsb + t));
+        const __m512 vz = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, vzb + t));
+        for (int g = 0; g < G; ++g) {
+          float* p = sc + g * stride + t0 + t;
+          const __m512 pv = _mm512_maskz_loadu_ps(live, p);
+          zacc[g] = _mm512_fmadd_ps(pv, vz, zacc[g]);
+          _mm512_mask_storeu_ps(p, live, _mm512_mul_ps(pv, vs));
         }
       }
-      // Each slice's 32 dims in the values' order: 16 even, 16 odd.
-      if (vr)
-        pv_block<D, G>(accm, scores.data() + t0, stride, n, [&](int64_t t, int c, __m512& v0, __m512& v1) {
+    };
+    const auto next_block = [&](int64_t j) {
+      if (j + kPrefetch < nblocks) prefetch_block(nblocks + j + kPrefetch);
+      pace(j + 1, nblocks);
+    };
+    for (int64_t j = 0; j < nblocks;) {
+      const int64_t t0 = j * BS;
+      const int32_t slot = res_slot[blocks[j]];
+      if (slot >= 0) {  // open: bf16 rows, each slice's 32 dims permuted into the values' order
+        next_block(j);
+        const at::BFloat16* vr = open_rows(res_v, slot);
+        pv_block<D, G>(accm, sc + t0, stride, std::min(BS, L - t0), [&](int64_t t, int c, __m512& v0, __m512& v1) {
           const __m512 x0 = bf16x16_to_float(vr + t * D + 32 * c), x1 = bf16x16_to_float(vr + t * D + 32 * c + 16);
           v0 = _mm512_permutex2var_ps(x0, even, x1), v1 = _mm512_permutex2var_ps(x0, odd, x1);
         });
-      else
-        pv_block<D, G>(accm, scores.data() + t0, stride, n, [&](int64_t t, int c, __m512& v0, __m512& v1) {
-          const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vb + t * D2 + 16 * c)));
-          v0 = _mm512_permutexvar_ps(w, nib_f32), v1 = _mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), nib_f32);
-        });
+        ++j;
+        continue;
+      }
+      if constexpr (kHaveVnni) {
+        if (BS <= avx2::kPvRows) {  // a run of sealed blocks, at most kPvRows rows, in integers
+          int64_t j1 = j, m = 0;
+          while (j1 < nblocks && res_slot[blocks[j1]] < 0 && m + BS <= avx2::kPvRows) m += std::min(BS, L - j1 * BS), fold_v(j1++);
+          avx2::int16_weights<G>(sc + t0, stride, m, w16, unit);
+          int4_pv_run_vnni<D, G>(accm, w16, unit, m, BS, [&](int64_t k) {
+            next_block(j + k);
+            return v_cache + (h * NB + blocks[j + k]) * packed_bytes;
+          });
+          j = j1;
+          continue;
+        }
+      }
+      next_block(j);
+      fold_v(j);
+      const uint8_t* vb = v_cache + (h * NB + blocks[j]) * packed_bytes;
+      pv_block<D, G>(accm, sc + t0, stride, std::min(BS, L - t0), [&](int64_t t, int c, __m512& v0, __m512& v1) {
+        const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vb + t * D2 + 16 * c)));
+        v0 = _mm512_permutexvar_ps(w, nib_f32), v1 = _mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), nib_f32);
+      });
+      ++j;
     }
     pace(1, 1);  // the rest of the next item's K
     for (int g = 0; g < G; ++g) {  // back in order, plus the zeros' share
