@@ -64,9 +64,11 @@ def test_each_kernel_matches_the_reference_at_every_bucket(name, n, k):
         got = lin(x)
         assert got.shape == (m, n) and got.dtype == torch.bfloat16
         ref = x.float() @ ref_w.T
-        # q and x are exact in the kernels' arithmetic: what remains is fp32 accumulation order, the bf16
-        # rounding of the output (2^-9 relative; the scaling may round once more, and ATen's scales are
-        # bf16 themselves): well inside 2^-7 of the output plus a little absolute slack near zero.
+        # q is exact in the kernels' arithmetic, and x too but in pdserve's AVX-512 kernel (int16 steps of
+        # its row's largest value: below half an output ulp here); what remains is fp32 accumulation
+        # order, the bf16 rounding of the output (2^-9 relative; the scaling may round once more, and
+        # ATen's scales are bf16 themselves): well inside 2^-7 of the output plus a little absolute slack
+        # near zero.
         scale = ref.abs().amax()
         torch.testing.assert_close(got.float(), ref, rtol=8e-3, atol=2e-3 * float(scale))
     wide = rand(5, 3 * k, seed=1).bfloat16()
@@ -99,6 +101,35 @@ def test_pdserve_int8_rows_do_not_depend_on_the_batch():
     wide = rand(9, 3 * 1536, seed=7).bfloat16()
     assert torch.equal(lin(wide[:, 1536:3072]), lin(wide[:, 1536:3072].contiguous()))  # strided rows
     assert lin(wide[:0, :1536]).shape == (0, 300)
+
+
+def test_pdserve_int8_rounds_rows_to_int16_steps_of_their_largest_value():
+    """pdserve's AVX-512 kernel rounds each row of x to int16 steps of its largest value (vpdpwssd): on a
+    row with one outlier 1000x the others every output stays within the rounding's bound, |q| . step / 2
+    summed over k, plus the output's bf16 rounding; a zero row gives zeros; inf or NaN in a row makes all
+    that row's outputs non-finite (NaN there; float arithmetic gives inf or NaN), the other rows untouched."""
+    if "pdserve" not in KERNELS:
+        pytest.skip("pdserve's int8 kernel does not build here")
+    from pdserve.model.linear import _kernel_int8
+
+    w = quantize_int8(rand(64, 576, seed=8) * 0.05)
+    lin = Int8DotLinear(w)
+    x = rand(4, 576, seed=9)
+    x[1, 7] = 1000.0
+    x[2] = 0.0
+    x = x.bfloat16()
+    ref = x.float() @ dequantized(w).T
+    got = lin(x).float()
+    step = x.float().abs().amax(1, keepdim=True) / 32767
+    bound = (dequantized(w).abs().sum(1)[None, :] * step / 2) if _kernel_int8().isa() == "avx512-bf16" else 0.0
+    err = (got - ref).abs()
+    assert (err <= bound + ref.abs() * 2**-8 + 1e-6).all(), (err - bound - ref.abs() * 2**-8).max()
+    assert not got[2].any()
+    for bad in (float("nan"), float("inf")):
+        y = x.clone()
+        y[3, 100] = bad
+        out = lin(y)
+        assert not out[3].float().isfinite().any() and torch.equal(out[:3], lin(x[:3]))
 
 
 # --- the autotune with int8 candidates -----------------------------------------------------------
