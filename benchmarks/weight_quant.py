@@ -10,7 +10,10 @@ stream reaches.
 
 Each batch size: that many sequences with `--context` random prompt tokens are prefilled, one decode
 step warms the shape, then `--steps` decode-only steps are timed. The prompt row ("prefill"): one
-step that computes a `--chunk`-token prompt chunk, the best of 3 after a warm-up chunk. The DRAM bandwidth is
+step that computes a `--chunk`-token prompt chunk, the best of 3 after a warm-up chunk. Every weight
+dtype's engine is built first and each point runs the dtypes in turn, `--repeats` times with the order
+reversed every other time, keeping the best (this host kind's DRAM bandwidth drifts by the minute: one
+dtype's whole sweep after another's measured the drift too). The DRAM bandwidth is
 `pdserve bench machine`'s probe (`measure_memory_bandwidth` over 1 GiB). Figures name their host: the
 JSON carries the CPU, its flags, the thread count and the bandwidth, and each weight dtype's kernel table.
 """
@@ -103,6 +106,7 @@ def main() -> None:
     ap.add_argument("--linear-kernel", default="auto")
     ap.add_argument("--kernel-cache-dir", default=None)
     ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=2, help="times each point runs every dtype (best kept)")
     ap.add_argument("--json", default="results/weight_quant.json", help="where to write the figures")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -114,37 +118,43 @@ def main() -> None:
             "dram_bandwidth": dram}
     print(f"host: {host['cpu']}, {host['threads']} threads, "
           f"{' '.join(f for f, on in host['flags'].items() if on)}; DRAM read {dram / 1e9:.1f} GB/s")
-    rows, plans = [], {}
-    for wd in dtypes:
-        llm = LLM(model=args.model, dtype="bfloat16", weight_dtype=wd, linear_kernel=args.linear_kernel,
-                  kernel_cache_dir=args.kernel_cache_dir, num_threads=args.num_threads,
-                  max_num_seqs=max(batches), max_model_len=max(args.context + args.steps + 8, args.chunk + 8),
-                  max_num_batched_tokens=max(args.chunk, 2048))  # the chunk in one step
-        model = llm.engine.model
-        plan = model.linear_plan
+    plans: dict[str, dict | None] = {}
+    llms: dict[str, LLM] = {}
+    for wd in dtypes:  # every engine at once: the points alternate between them
+        llm = llms[wd] = LLM(model=args.model, dtype="bfloat16", weight_dtype=wd, linear_kernel=args.linear_kernel,
+                             kernel_cache_dir=args.kernel_cache_dir, num_threads=args.num_threads,
+                             max_num_seqs=max(batches), max_model_len=max(args.context + args.steps + 8, args.chunk + 8),
+                             max_num_batched_tokens=max(args.chunk, 2048))  # the chunk in one step
+        plan = llm.engine.model.linear_plan
         plans[wd] = None if plan is None else {"kind": plan.kind, "describe": plan.describe(),
                                                "table": None if plan.table is None else plan.table.to_json()}
         print(plan.describe() if plan is not None else f"{wd}: plain F.linear")
-        for b in batches:
-            step = decode_rate(llm, b, args.context, args.steps, seed=b)
-            wbytes = streamed_bytes(model, b)
-            rows.append({"weight_dtype": wd, "batch": b, "step_ms": 1e3 * step, "tok_per_s": b / step,
+    points: list[int | str] = [*batches, *(["prefill"] if args.chunk else [])]
+    best: dict[tuple[str, int | str], float] = {}
+    for point in points:
+        for rep in range(args.repeats):  # the dtypes in turn, the order reversed every other repeat
+            for wd in dtypes if rep % 2 == 0 else dtypes[::-1]:
+                if point == "prefill":
+                    t = prefill_rate(llms[wd], args.chunk, seed=7)
+                else:
+                    t = decode_rate(llms[wd], int(point), args.context, args.steps, seed=int(point))
+                best[(wd, point)] = min(t, best.get((wd, point), float("inf")))
+    rows = []
+    for wd in dtypes:
+        model = llms[wd].engine.model
+        for point in points:
+            n = args.chunk if point == "prefill" else int(point)
+            step, wbytes = best[(wd, point)], streamed_bytes(model, n)
+            rows.append({"weight_dtype": wd, "batch": point, "step_ms": 1e3 * step, "tok_per_s": n / step,
                          "weight_bytes_per_step": wbytes, "weight_gb_per_s": wbytes / step / 1e9,
                          "fraction_of_dram": wbytes / step / dram,
-                         "weight_roof_tok_per_s": b * dram / wbytes})
-        if args.chunk:
-            step = prefill_rate(llm, args.chunk, seed=7)
-            wbytes = streamed_bytes(model, args.chunk)
-            rows.append({"weight_dtype": wd, "batch": "prefill", "step_ms": 1e3 * step, "tok_per_s": args.chunk / step,
-                         "weight_bytes_per_step": wbytes, "weight_gb_per_s": wbytes / step / 1e9,
-                         "fraction_of_dram": wbytes / step / dram,
-                         "weight_roof_tok_per_s": args.chunk * dram / wbytes})
-        del llm, model, plan
-        gc.collect()
+                         "weight_roof_tok_per_s": n * dram / wbytes})
+    del llms
+    gc.collect()
 
     by = {(r["weight_dtype"], r["batch"]): r for r in rows}
     print(f"\ncontext {args.context} tokens per sequence, {args.steps} decode steps timed per batch; "
-          f"prefill: one {args.chunk}-token prompt chunk per step")
+          f"prefill: one {args.chunk}-token prompt chunk per step; best of {args.repeats}, dtypes alternating")
     print(f"{'batch':>7} {'weights':>8} {'step ms':>8} {'tok/s':>8} {'W MB/step':>9} {'W GB/s':>7} {'%DRAM':>6} "
           f"{'roof tok/s':>10} {'/' + base:>9}")
     speedups: dict[str, dict[str, float]] = {wd: {} for wd in dtypes[1:]}
@@ -163,7 +173,8 @@ def main() -> None:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"host": host, "model": args.model, "context": args.context, "steps": args.steps,
-                       "chunk": args.chunk, "rows": rows, "baseline": base, "speedup_over_baseline": speedups,
+                       "chunk": args.chunk, "repeats": args.repeats, "rows": rows, "baseline": base,
+                       "speedup_over_baseline": speedups,
                        "linear_plans": plans}, f, indent=1)
         print(f"wrote {args.json}")
 
