@@ -2461,18 +2461,7 @@ void decode_int4_avx512(const at::BFloat16* q, const uint8_t* k_cache, const uin
       const at::Half* vsb = v_scale + (h * NB + blk) * BS;
       const at::Half* vzb = v_zero + (h * NB + blk) * BS;
       for (int64_t t = 0; t < n; t += 16) {
-        if (n - t >= 16) {
-          const __m512 vs = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vsb + t)));
-          const __m512 vz = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vzb + t)));
-          for (int g = 0; g < G; ++g) {
-            float* p = sc + g * stride + t0 + t;
-            const __m512 pv = _mm512_loadu_ps(p);
-            zacc[g] = _mm512_fmadd_ps(pv, vz, zacc[g]);
-            _mm512_storeu_ps(p, _mm512_mul_ps(pv, vs));
-          }
-          continue;
-        }
-        const __mmask16 live = static_cast<__mmask16>((1u << (n - t)) - 1u);
+        const __mmask16 live = n - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - t)) - 1u);
         const __m512 vs = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, vsb + t));
         const __m512 vz = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, vzb + t));
         for (int g = 0; g < G; ++g) {

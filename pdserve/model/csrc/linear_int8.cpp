@@ -127,8 +127,8 @@ void quantize_row(const at::BFloat16* x, int64_t K, int16_t* xq, float* xstep) {
 #endif
 
 // q [N, K] int8, K even -> [ceil(N/32), K/2, 32, 2] (columns past N are zero; the AVX2 build's
-// [ceil(N/32), K/2, 4, 2, 8]). 64-byte aligned by torch's
-// CPU allocator, which the 16-byte aligned loads of `widen` rely on.
+// [ceil(N/32), K/2, 4, 2, 8]). 64-byte aligned by torch's CPU allocator, which the 32-byte aligned loads
+// of `widen16` rely on.
 torch::Tensor pack(torch::Tensor q) {
 #ifdef PDSERVE_LINEAR_AVX2
   return avx2::int8_pair_order(pack_panels(q, torch::kChar));
