@@ -122,6 +122,40 @@ def test_blocks_open_on_first_write_and_read_back_exactly_until_sealed():
     assert torch.allclose(k2, want[1, 0], atol=0.6)  # 4 bits of randn over a block: a step ~0.4
 
 
+def test_cpp_int4_write_equals_the_reference_and_refuses_sealed_blocks():
+    """`write_kv_int4` (cpu-paged's int4 write) puts rows where `kv.cache.write` does: two caches given the
+    same steps hold the same residual rows, bit for bit, with tokens out of order and partial blocks; a
+    token in a sealed block is an error that writes nothing."""
+    from pdserve.attention.cpu_paged import load_kernel
+    from pdserve.kv.cache import write
+
+    try:
+        kernel = load_kernel()
+    except Exception as e:  # no compiler here
+        pytest.skip(f"cpu-paged unavailable: {e}")
+    ref, cpp = _cache(), _cache()
+    bs, g = ref.block_size, torch.Generator().manual_seed(3)
+    slots = torch.tensor([5 * bs + 2, 2 * bs, 5 * bs, 2 * bs + 3, 7 * bs + 1])  # blocks 5, 2, 7: partly
+    for c in (ref, cpp):
+        c.begin_step(slots, torch.tensor([[5, 2, 7]]), torch.zeros(1, dtype=torch.int64))
+    kv = torch.randn(TINY.num_layers, 2, len(slots), TINY.num_kv_heads, TINY.head_dim, generator=g)
+    for i in range(TINY.num_layers):
+        write(ref.layers[i], kv[i, 0], kv[i, 1], slots)
+        lay = cpp.layers[i]
+        kernel.write_kv_int4(kv[i, 0], kv[i, 1], lay.residual_k, lay.residual_v, lay.residual_slot, slots)
+    assert torch.equal(ref.residual_slot, cpp.residual_slot) and torch.equal(ref.residual, cpp.residual)
+    assert ref.residual.abs().sum() > 0
+    before = cpp.residual.clone()
+    lay = cpp.layers[0]
+    sealed = torch.tensor([5 * bs + 1, 3 * bs])  # block 3 was never opened
+    with pytest.raises(RuntimeError, match="sealed int4 block"):
+        kernel.write_kv_int4(kv[0, 0, :2], kv[0, 1, :2], lay.residual_k, lay.residual_v, lay.residual_slot, sealed)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernel.write_kv_int4(kv[0, 0, :1], kv[0, 1, :1], lay.residual_k, lay.residual_v, lay.residual_slot,
+                             torch.tensor([8 * bs]))
+    assert torch.equal(cpp.residual, before)
+
+
 def test_only_committed_blocks_seal_and_freed_blocks_give_their_slot_back():
     cache = _cache()
     _fill(cache, [1, 3])
