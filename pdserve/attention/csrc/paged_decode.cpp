@@ -3159,45 +3159,27 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
 // int4's writes (kv.cache.write's for an int4 cache, in one call per layer): new K/V rows k, v [T, KVH, D]
 // (the residual pool's dtype) into the residual rows of their blocks, which must be open: residual_k,
 // residual_v [KVH, R, BS, D], residual_slot [NB] int32 (the block's slot, -1 once sealed), slots [T] (block
-// * BS + offset). A slot in a sealed block or out of range is an error and nothing is written.
+// * BS + offset). Each slot maps to its row of the pool (slot r's rows r * BS ...), which write_kv then
+// fills as a bf16 cache's slots. A slot in a sealed block or out of range is an error and nothing is written.
 void write_kv_int4(torch::Tensor k, torch::Tensor v, torch::Tensor residual_k, torch::Tensor residual_v,
                    torch::Tensor residual_slot, torch::Tensor slots) {
-  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && residual_k.dim() == 4 && residual_v.sizes() == residual_k.sizes(),
-              "bad shapes");
-  TORCH_CHECK(k.device().is_cpu() && residual_k.is_contiguous() && residual_v.is_contiguous() &&
-                  residual_slot.is_contiguous() && residual_slot.scalar_type() == torch::kInt,
-              "contiguous CPU residual pools and int32 residual_slot expected");
-  TORCH_CHECK(k.scalar_type() == residual_k.scalar_type() && v.scalar_type() == residual_k.scalar_type() &&
-                  residual_v.scalar_type() == residual_k.scalar_type(),
-              "k, v and the residual pools' dtypes differ");
-  const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2), R = residual_k.size(1), BS = residual_k.size(2);
-  const int64_t NB = residual_slot.size(0);
-  TORCH_CHECK(residual_k.size(0) == KVH && residual_k.size(3) == D && k.stride(2) == 1 && v.stride(2) == 1,
-              "head layout mismatch");
-  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == T, "one slot per token");
+  TORCH_CHECK(residual_k.dim() == 4 && residual_slot.dim() == 1 && residual_slot.is_contiguous() &&
+                  residual_slot.scalar_type() == torch::kInt,
+              "residual pools [KVH, R, BS, D] and an int32 residual_slot [NB] expected");
+  TORCH_CHECK(slots.dim() == 1, "one slot per token");
+  const int64_t R = residual_k.size(1), BS = residual_k.size(2), NB = residual_slot.size(0), T = slots.size(0);
   slots = slots.to(torch::kInt64).contiguous();
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int32_t* res = residual_slot.data_ptr<int32_t>();
-  std::vector<int64_t> rows(T);  // each token's row in a kv head's plane of the pool
+  auto rows = torch::empty({T}, slots.options());
+  int64_t* row = rows.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(slot[t] >= 0 && slot[t] / BS < NB, "slot ", slot[t], " out of range");
     const int32_t r = res[slot[t] / BS];
     TORCH_CHECK(r >= 0 && r < R, "slot ", slot[t], " lies in a sealed int4 block (no residual slot)");
-    rows[t] = r * BS + slot[t] % BS;
+    row[t] = r * BS + slot[t] % BS;
   }
-  const int64_t esize = k.element_size(), row = D * esize;
-  const char* kp = static_cast<const char*>(k.data_ptr());
-  const char* vp = static_cast<const char*>(v.data_ptr());
-  char* kc = static_cast<char*>(residual_k.data_ptr());
-  char* vc = static_cast<char*>(residual_v.data_ptr());
-  at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {  // a decode step's rows: inline, no fork
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t h = 0; h < KVH; ++h) {
-        const int64_t dst = (h * R * BS + rows[t]) * row;
-        std::memcpy(kc + dst, kp + (t * k.stride(0) + h * k.stride(1)) * esize, row);
-        std::memcpy(vc + dst, vp + (t * v.stride(0) + h * v.stride(1)) * esize, row);
-      }
-  });
+  write_kv(k, v, residual_k, residual_v, rows, std::nullopt, std::nullopt);
 }
 
 // Decode attention over an int4 (KIVI) cache, one layer: q [B, H, D] bf16 or float32; k_cache, v_cache
