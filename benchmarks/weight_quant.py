@@ -121,10 +121,12 @@ def main() -> None:
     plans: dict[str, dict | None] = {}
     llms: dict[str, LLM] = {}
     for wd in dtypes:  # every engine at once: the points alternate between them
-        llm = llms[wd] = LLM(model=args.model, dtype="bfloat16", weight_dtype=wd, linear_kernel=args.linear_kernel,
-                             kernel_cache_dir=args.kernel_cache_dir, num_threads=args.num_threads,
-                             max_num_seqs=max(batches), max_model_len=max(args.context + args.steps + 8, args.chunk + 8),
-                             max_num_batched_tokens=max(args.chunk, 2048))  # the chunk in one step
+        llm = llms[wd] = LLM(
+            model=args.model, dtype="bfloat16", weight_dtype=wd, linear_kernel=args.linear_kernel,
+            kernel_cache_dir=args.kernel_cache_dir, num_threads=args.num_threads, max_num_seqs=max(batches),
+            max_model_len=max(args.context + args.steps + 8, args.chunk + 8),
+            max_num_batched_tokens=max(args.chunk, 2048),  # the chunk in one step
+        )
         plan = llm.engine.model.linear_plan
         plans[wd] = None if plan is None else {"kind": plan.kind, "describe": plan.describe(),
                                                "table": None if plan.table is None else plan.table.to_json()}

@@ -416,7 +416,8 @@ def _int4_decode_case(kernel, bs: int, d: int, group: int, seed: int, isa: str =
     for n in ctx:
         tables.append(perm[used : used + -(-n // bs)])
         used += len(tables[-1])
-    opened = [t[-1] for n, t in zip(ctx, tables) if n % bs] + [tables[4][1], tables[5][0], tables[6][9]]  # + mid-context
+    mid_context = [tables[4][1], tables[5][0], tables[6][9]]
+    opened = [t[-1] for n, t in zip(ctx, tables) if n % bs] + mid_context
     for slot, blk in enumerate(opened):
         layer.residual_slot[blk] = slot
     width = max(len(t) for t in tables)
