@@ -1601,6 +1601,22 @@ inline void int8_scores16(const int8_t* k, const int16_t* q16, const float* unit
 
 struct NoTick { void operator()(int, int64_t) const {} };
 
+// The inner step of the integer p.v loops (int8's int_pv_block_vnni, int4's int4_pv_run_vnni): for each of
+// the G heads, its weights of rows 2i and 2i + 1 (w16[g][2i], w16[g][2i + 1]) broadcast as one int32, and
+// a[g] += that pair . x, b[g] += that pair . y by dot (vpdpwssd: the intrinsic, or the asm `dpwssd`).
+template <int G, typename Dot>
+__attribute__((always_inline)) inline void weight_pair_step(__m512i* a, __m512i* b,
+                                                            const int16_t (*w16)[avx2::kPvRows + 16], int64_t i,
+                                                            __m512i x, __m512i y, const Dot& dot) {
+  for (int g = 0; g < G; ++g) {
+    int32_t pair;
+    std::memcpy(&pair, w16[g] + 2 * i, sizeof(pair));
+    const __m512i w = _mm512_set1_epi32(pair);
+    a[g] = dot(a[g], w, x);
+    b[g] = dot(b[g], w, y);
+  }
+}
+
 // int8 V's p.v in integers where the CPU has AVX512-VNNI (Int8Rows::kIntDot), as avx2::int_pv_block: per
 // run of at most avx2::kPvRows rows, each head's weights in int16 power-of-two steps (avx2::int16_weights), two
 // rows' bytes interleaved and widened to int16, and vpdpwssd adds each pair of products against the two
@@ -1624,13 +1640,8 @@ inline void int_pv_block_vnni(float (*accm)[D], const float* p, int64_t stride, 
         const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1));
         const __m512i x = _mm512_cvtepi8_epi16(_mm256_unpacklo_epi8(a, b));  // per 128-bit lane: 8 dims' pairs
         const __m512i y = _mm512_cvtepi8_epi16(_mm256_unpackhi_epi8(a, b));
-        for (int g = 0; g < G; ++g) {
-          int32_t pair;
-          std::memcpy(&pair, w16[g] + 2 * i, sizeof(pair));
-          const __m512i w = _mm512_set1_epi32(pair);
-          lo[g] = _mm512_dpwssd_epi32(lo[g], w, x);
-          hi[g] = _mm512_dpwssd_epi32(hi[g], w, y);
-        }
+        weight_pair_step<G>(lo, hi, w16, i, x, y,
+                            [](__m512i acc, __m512i w, __m512i v) { return _mm512_dpwssd_epi32(acc, w, v); });
       };
       // Whole pairs 8 at a time, the pacing call between runs (inside the loop it cost the loop its
       // registers), then an odd last row paired with itself (weight 0: w16[g][m]).
@@ -1680,13 +1691,7 @@ inline void int4_pv_run_vnni(float (*accm)[D], const int16_t (*w16)[avx2::kPvRow
       const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r1));
       const __m512i x = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b)));
       const __m512i e = _mm512_and_si512(x, low), o = _mm512_srli_epi16(x, 4);  // dword j: (row 0, row 1) of dim 2j / 2j + 1
-      for (int g = 0; g < G; ++g) {
-        int32_t pair;
-        std::memcpy(&pair, w16[g] + 2 * i, sizeof(pair));
-        const __m512i w = _mm512_set1_epi32(pair);
-        ev[g] = dpwssd(ev[g], w, e);
-        od[g] = dpwssd(od[g], w, o);
-      }
+      weight_pair_step<G>(ev, od, w16, i, e, o, dpwssd);
     };
     for (int64_t t0 = 0, k = 0; t0 < m; t0 += BS, ++k) {
       if (c == 0) rows_at[k] = block(k);
