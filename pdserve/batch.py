@@ -4,7 +4,8 @@ The scheduler's `SchedulerOutput` says what runs this step; an executor (the mod
 for tests and the simulator) runs it and answers with a `ModelOutput`, which the scheduler applies in
 `update_from_output`. `SchedulerOutput.to_batch()` snapshots the step as a `Batch`: per request the
 token ids to run, where they start, the block table and whether (and from how many draft tokens) it
-samples, so an executor builds its tensors from the batch rather than from live `Request` objects.
+samples (with the sequence's tokens where a penalty counts them), so an executor builds its tensors
+from the batch rather than from live `Request` objects.
 
 A step may accept more than one token per request: with k draft tokens scheduled (`num_spec_tokens`),
 the executor verifies them and returns the accepted drafts plus one token of its own (1..k+1 tokens); it
@@ -27,6 +28,9 @@ class BatchRequest:
     samples: bool  # every known token is computed after this step: it produces the next token(s)
     num_spec_tokens: int  # draft tokens at the end of token_ids, verified by this step
     params: SamplingParams
+    # The prompt and the output so far (drafts excluded) of a sampling request whose params have
+    # penalties (`SamplingParams.has_penalties`): what the sampler counts. None for every other request.
+    history: tuple[list[int], tuple[int, ...]] | None = None
 
     @property
     def num_new_tokens(self) -> int:

@@ -17,6 +17,10 @@ from dataclasses import dataclass, field
 from pdserve.errors import InvalidRequestError
 
 
+# Bounds on what one request may ask of the sampler (each entry of logit_bias is work on every step).
+MAX_LOGIT_BIAS = 1024
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -42,6 +46,14 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
     min_p: float = 0.0
+    # Penalties on tokens the sequence already holds (vLLM's semantics, applied before greedy and random
+    # choice alike): presence and frequency subtract `presence` once and `frequency` per occurrence from
+    # the logits of tokens in the output; repetition divides positive logits and multiplies negative ones
+    # of tokens in the prompt or the output. `logit_bias` adds to the logits of the tokens given (OpenAI's).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
     seed: int | None = None
     max_tokens: int = 16
     stop: list[str] = field(default_factory=list)
@@ -69,6 +81,16 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the logits are changed by the sequence's own tokens or a bias before choosing."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or bool(self.logit_bias)
+        )
+
     def validate(self) -> None:
         def bad(msg: str) -> InvalidRequestError:
             return InvalidRequestError(msg)
@@ -85,6 +107,22 @@ class SamplingParams:
             raise bad(f"min_p must be in [0, 1], got {self.min_p}")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (_is_number(v) and -2.0 <= v <= 2.0):
+                raise bad(f"{name} must be a number in [-2, 2], got {v!r}")
+        v = self.repetition_penalty
+        if not (_is_number(v) and v > 0.0):
+            raise bad(f"repetition_penalty must be a positive number, got {v!r}")
+        if self.logit_bias is not None:
+            bias = self.logit_bias
+            if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+                raise bad(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases")
+            for t, b in bias.items():
+                if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                    raise bad(f"logit_bias keys must be non-negative token ids, got {t!r}")
+                if not (_is_number(b) and -100.0 <= b <= 100.0):
+                    raise bad(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad(f"seed must be an integer, got {self.seed!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
@@ -98,6 +136,16 @@ class SamplingParams:
             ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
             if v is not None and not ok:
                 raise bad(f"{name} must be a positive finite number of milliseconds, got {v!r}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise InvalidRequestError unless every token id the parameters name is in the vocabulary (the
+        sampler indexes logits with `logit_bias`' keys)."""
+        if self.logit_bias and max(self.logit_bias) >= vocab_size:
+            raise InvalidRequestError(f"logit_bias keys must be token ids in [0, {vocab_size})")
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 @dataclass(slots=True)

@@ -101,6 +101,7 @@ class EngineLoop:
         receive them from a prefill instance and decode here (RemotePrefill)."""
         params = params or SamplingParams()
         params.validate()
+        params.check_vocab(self.vocab_size)
         self._check_transfer(kv_transfer)
         if req_id is None:
             req_id = f"req-{next(self._ids)}"

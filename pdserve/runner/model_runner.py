@@ -21,7 +21,7 @@ from pdserve.batch import BatchRequest, ModelOutput
 from pdserve.kv.cache import KVCache
 from pdserve.model.llama import LlamaModel
 from pdserve.request import Request, SamplingParams
-from pdserve.runner.sampler import Sampler, SamplingMetadata
+from pdserve.runner.sampler import History, Sampler, SamplingMetadata
 from pdserve.scheduler.scheduler import SchedulerOutput
 
 
@@ -87,7 +87,7 @@ class ModelRunner:
         rows = torch.tensor([flat_pos[id(r)] for r in sampling], device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows), upcast=False)
         params = [r.params for r in sampling]
-        md = SamplingMetadata.from_params(params, gens, self.vocab_size, self.device)
+        md = SamplingMetadata.from_params(params, gens, self.vocab_size, self.device, [r.history for r in sampling])
         so = self.sampler(logits, md)
         token_ids = [[t] for t in so.token_ids.tolist()]
         logprobs: list[list[dict[int, float]] | None] = [None] * len(sampling)
@@ -150,13 +150,20 @@ class ModelRunner:
         rows: list[int] = []
         params: list[SamplingParams] = []
         drafts: list[int] = []
+        histories: list[History | None] = []  # row j of a request with penalties: its sequence + j drafts
         for r in sampling:
             k, last = r.num_spec_tokens, flat_pos[id(r)]
             rows.extend(range(last - k, last + 1))
             params.extend([r.params] * (k + 1))
-            drafts.extend(r.token_ids[len(r.token_ids) - k :])
+            own = r.token_ids[len(r.token_ids) - k :]
+            drafts.extend(own)
+            if r.history is None:
+                histories.extend([None] * (k + 1))
+            else:
+                prompt, output = r.history
+                histories.extend((prompt, (*output, *own[:j])) for j in range(k + 1))
         logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(rows, device=self.device)))
-        md = SamplingMetadata.from_params(params, {}, self.vocab_size, self.device)
+        md = SamplingMetadata.from_params(params, {}, self.vocab_size, self.device, histories)
         num_drafts = [r.num_spec_tokens for r in sampling]
         token_ids, final_rows = self.sampler.verify(logits, md, num_drafts, drafts, gens)
         logprobs: list[list[dict[int, float]] | None] = [None] * len(sampling)

@@ -1,14 +1,17 @@
 """Turns one step's logits into next tokens, one row per sequence being sampled.
 
 The model runner builds a `SamplingMetadata` from the rows' `SamplingParams` (once per batch layout) and
-calls `Sampler` on the last-position logits. Logprobs are those of the raw model distribution; greedy rows
-take the argmax of the raw logits; random rows go through temperature, top-k, top-p and min-p and are drawn
-with inverse-CDF sampling (one uniform number per row), so a seeded row's draw depends only on its own generator and its own logits,
-never on which other rows share the batch.
+calls `Sampler` on the last-position logits. Logprobs are those of the raw model distribution (as vLLM's
+default). Rows with penalties or a logit bias (`Penalties`) have their logits changed first; then greedy
+rows take the argmax; random rows go through temperature, top-k, top-p and min-p and are drawn with
+inverse-CDF sampling (one uniform number per row), so a seeded row's draw depends only on its own
+generator and its own logits, never on which other rows share the batch.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +20,81 @@ from pdserve.request import SamplingParams
 
 # Temperatures below this are treated as greedy: dividing by them overflows float32 logits.
 _MIN_TEMPERATURE = 1e-5
+
+
+# A row's tokens for its penalties: (prompt token ids, output token ids so far).
+History = tuple[Sequence[int], Sequence[int]]
+
+
+@dataclass(slots=True)
+class Penalties:
+    """The rows' penalties and logit biases as batch tensors (vLLM's semantics and order): the bias is
+    added, then repetition divides the positive logits and multiplies the others of every token in the
+    row's prompt or output, then frequency x (occurrences in the output) and presence x (in the output at
+    all) are subtracted. A part no row uses is None. Built per step: the counts change with every token."""
+
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, token ids, values
+    repetition: torch.Tensor | None  # [N, 1] float32, 1.0 where off
+    seen: torch.Tensor | None  # [N, V] bool: in the row's prompt or output (with repetition)
+    frequency: torch.Tensor | None  # [N, 1] float32, 0.0 where off (None: neither frequency nor presence)
+    presence: torch.Tensor | None  # [N, 1] float32
+    counts: torch.Tensor | None  # [N, V] float32: occurrences in the row's output
+
+    @classmethod
+    def from_rows(
+        cls, params: list[SamplingParams], histories: list[History | None], vocab_size: int, device: torch.device
+    ) -> Penalties | None:
+        """None when no row has a penalty or a bias. A row with one must have its history."""
+        rows = [i for i, p in enumerate(params) if p.has_penalties]
+        if not rows:
+            return None
+        assert all(histories[i] is not None for i in rows), "a row with penalties has no history"
+        n = len(params)
+        empty: History = ((), ())
+
+        def vec(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(-1)
+
+        bias = None
+        entries = [(i, t, b) for i in rows for t, b in (params[i].logit_bias or {}).items()]
+        if entries:
+            r, t, b = zip(*entries)
+            bias = (
+                torch.tensor(r, device=device),
+                torch.tensor(t, device=device),
+                torch.tensor(b, dtype=torch.float32, device=device),
+            )
+        repetition = seen = frequency = presence = counts = None
+        if any(params[i].repetition_penalty != 1.0 for i in rows):
+            repetition = vec([p.repetition_penalty for p in params])
+            seqs = [itertools.chain(*(histories[i] or empty)) for i in range(n)]
+            seen = _occurrences(seqs, n, vocab_size, device) > 0
+        if any(params[i].frequency_penalty != 0.0 or params[i].presence_penalty != 0.0 for i in rows):
+            frequency = vec([p.frequency_penalty for p in params])
+            presence = vec([p.presence_penalty for p in params])
+            counts = _occurrences([(histories[i] or empty)[1] for i in range(n)], n, vocab_size, device)
+        return cls(bias, repetition, seen, frequency, presence, counts)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """The penalised float32 logits [N, V] (a new tensor; `logits` is left as it is)."""
+        logits = logits.clone()
+        if self.bias is not None:
+            logits.index_put_(self.bias[:2], self.bias[2], accumulate=True)
+        if self.repetition is not None and self.seen is not None:
+            scaled = torch.where(logits > 0, logits / self.repetition, logits * self.repetition)
+            logits = torch.where(self.seen, scaled, logits)
+        if self.counts is not None and self.frequency is not None and self.presence is not None:
+            logits -= self.frequency * self.counts + self.presence * (self.counts > 0)
+        return logits
+
+
+def _occurrences(seqs: Sequence[Iterable[int]], n: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[n, V] float32: how often each token occurs in each of the n sequences."""
+    lists = [list(s) for s in seqs]
+    ids = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.int64, device=device)
+    rows = torch.repeat_interleave(torch.arange(n, device=device), torch.tensor([len(s) for s in lists], device=device))
+    out = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
+    return out.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
 
 
 @dataclass(slots=True)
@@ -30,6 +108,7 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator]  # row -> generator of a seeded request
     all_greedy: bool
     max_num_logprobs: int | None  # max over rows of params.logprobs; None if no row wants logprobs
+    penalties: Penalties | None = None  # None when no row has a penalty or a logit bias
 
     @classmethod
     def from_params(
@@ -38,8 +117,10 @@ class SamplingMetadata:
         generators: dict[int, torch.Generator],
         vocab_size: int,
         device: torch.device,
+        histories: list[History | None] | None = None,
     ) -> SamplingMetadata:
-        """Greedy rows get neutral top-k/top-p/min-p values: those options only shape random draws."""
+        """Greedy rows get neutral top-k/top-p/min-p values: those options only shape random draws.
+        `histories`: per row, the tokens its penalties count (needed for the rows that have them)."""
         temperature: list[float] = []
         top_k: list[int] = []
         top_p: list[float] = []
@@ -62,6 +143,7 @@ class SamplingMetadata:
             generators=generators,
             all_greedy=all(t == 0.0 for t in temperature),
             max_num_logprobs=max(wanted) if wanted else None,
+            penalties=Penalties.from_rows(params, histories or [None] * len(params), vocab_size, device),
         )
 
 
@@ -89,11 +171,12 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """Samples one token per row of `logits` [N, V] (float32 or the model's 16-bit dtype); never
-        modifies `logits`. An all-greedy batch without logprobs takes the argmax of the rows as given:
-        widening 16-bit values to float32 is exact, so the argmax is the same, without the copy."""
-        if md.all_greedy and md.max_num_logprobs is None:
+        modifies `logits`. An all-greedy batch without logprobs or penalties takes the argmax of the rows
+        as given: widening 16-bit values to float32 is exact, so the argmax is the same, without the copy."""
+        if md.all_greedy and md.max_num_logprobs is None and md.penalties is None:
             return SamplerOutput(token_ids=greedy(logits), logprobs=None, logprob_token_ids=None)
-        logits = logits.to(torch.float32)
+        raw = logits.to(torch.float32)
+        logits = raw if md.penalties is None else md.penalties.apply(raw)
         greedy_ids = greedy(logits)
         if md.all_greedy:
             token_ids = greedy_ids
@@ -102,7 +185,7 @@ class Sampler:
 
         if md.max_num_logprobs is None:
             return SamplerOutput(token_ids=token_ids, logprobs=None, logprob_token_ids=None)
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        raw_logprobs = torch.log_softmax(raw, dim=-1)
         top_logprobs, top_ids = raw_logprobs.topk(min(md.max_num_logprobs, logits.shape[-1]), dim=-1)
         sampled = token_ids.unsqueeze(-1)
         return SamplerOutput(
@@ -129,8 +212,11 @@ class Sampler:
         accepted with probability p(d) (p after temperature, top-k, top-p, min-p); on rejection the token
         is drawn from p with d removed (norm(max(p - onehot(d), 0))); when all k pass, a bonus token is
         drawn from the last row. A request draws k + 1 uniform numbers from its own generator (k tests,
-        one final draw), so with k = 0 it makes exactly the draw of `__call__`."""
+        one final draw), so with k = 0 it makes exactly the draw of `__call__`. Penalties count, for
+        row j of a request, its sequence plus its first j drafts (the caller's `md`)."""
         logits = logits.to(torch.float32)
+        if md.penalties is not None:
+            logits = md.penalties.apply(logits)
         greedy_ids = greedy(logits).tolist()
         starts, d_starts = [0], [0]
         for k in num_drafts:

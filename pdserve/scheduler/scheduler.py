@@ -89,8 +89,9 @@ class SchedulerOutput:
             if num_spec:
                 token_ids = token_ids + req.spec_token_ids[:num_spec]
             samples = end >= known
+            history = (req.prompt_token_ids, tuple(req.output_token_ids)) if samples and req.params.has_penalties else None
             requests.append(
-                BatchRequest(req.req_id, token_ids, start, list(req.block_ids), samples, num_spec, req.params)
+                BatchRequest(req.req_id, token_ids, start, list(req.block_ids), samples, num_spec, req.params, history)
             )
         return Batch(requests, self.num_batched_tokens)
 

@@ -19,6 +19,7 @@ import msgspec
 from fastapi import Request
 
 from pdserve.config import ServerConfig
+from pdserve.errors import InvalidRequestError
 from pdserve.engine.process.messages import KVTransferParams, Ready, RequestDelta
 from pdserve.server import wire
 from pdserve.server.chat import ChatEncoder
@@ -255,6 +256,12 @@ class Server:
                 f"server ever queues at once ({self.config.max_waiting}, set by --max-waiting)",
                 param="n",
             )
+        assert self.ready is not None
+        for p in params:
+            try:
+                p.check_vocab(self.ready.vocab_size)
+            except InvalidRequestError as e:
+                raise bad_request(str(e), param="logit_bias") from None
         # Every choice's parameters first, then the sends: a submission is all or nothing.
         choices = []
         for p_idx, ids in enumerate(job.prompts):

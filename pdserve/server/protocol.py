@@ -4,8 +4,8 @@ pieces of responses that both endpoints share (errors, usage, logprobs).
 Bodies are decoded strictly (a string where a number belongs is a 400, not a coercion); fields a client
 may send that pdserve does not implement are accepted at their neutral values and refused otherwise, so
 no request silently gets behaviour it did not ask for. Unknown fields are ignored, as OpenAI's own
-clients send fields this server has no use for. `ignore_eos`, `top_k`, `min_p`, `stop_token_ids`,
-`include_stop_str_in_output` and `skip_special_tokens` are extensions with vLLM's names; `slo_ttft_ms`,
+clients send fields this server has no use for. `ignore_eos`, `top_k`, `min_p`, `repetition_penalty`,
+`stop_token_ids`, `include_stop_str_in_output` and `skip_special_tokens` are extensions with vLLM's names; `slo_ttft_ms`,
 `slo_itl_ms` and `slo_tpot_ms` (per-request latency targets, positive milliseconds) are pdserve's own.
 """
 
@@ -17,7 +17,7 @@ from typing import Annotated, Any
 import msgspec
 
 from pdserve.errors import InvalidRequestError
-from pdserve.request import SamplingParams
+from pdserve.request import MAX_LOGIT_BIAS, SamplingParams
 from pdserve.server.wire import ErrorBody, ErrorInfo
 
 MAX_N = 128
@@ -157,13 +157,6 @@ def choice_seed(seed: int, index: int) -> int:
 
 def check_unsupported(req: _GenerationRequest) -> None:
     """Refuse parameters that would change the output in ways this server does not implement."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0, 0.0):
-            raise bad_request(f"{name} is not supported (only 0)", param=name)
-    if req.repetition_penalty not in (None, 1, 1.0):
-        raise bad_request("repetition_penalty is not supported (only 1)", param="repetition_penalty")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", param="logit_bias")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
     if isinstance(req, CompletionRequest):
@@ -198,6 +191,10 @@ def sampling_params(req: _GenerationRequest, max_tokens: int, logprobs: int | No
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=0 if req.top_k is None else req.top_k,
             min_p=0.0 if req.min_p is None else req.min_p,
+            presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
+            frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=_logit_bias(req.logit_bias),
             seed=req.seed,
             max_tokens=max_tokens,
             stop=stop,
@@ -213,6 +210,20 @@ def sampling_params(req: _GenerationRequest, max_tokens: int, logprobs: int | No
     except InvalidRequestError as e:
         name = str(e).split(" ", 1)[0]
         raise bad_request(str(e), param=name if name in type(req).__struct_fields__ else None) from None
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias, keyed by token ids written as strings, keyed by ints."""
+    if not bias:
+        return None
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad_request(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens", param="logit_bias")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
+            raise bad_request(f"logit_bias keys must be token ids, got {key[:32]!r}", param="logit_bias")
+        out[int(key)] = value
+    return out
 
 
 def chat_message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:

@@ -130,6 +130,20 @@ def test_sampling_params_reach_the_engine(client, offline):
     assert again.choices[0].text == want
 
 
+def test_penalties_and_logit_bias_reach_the_engine(client, offline):
+    kw = {"temperature": 0, "max_tokens": 12, "presence_penalty": 0.6, "frequency_penalty": 0.4}
+    extra = {"repetition_penalty": 1.2, "ignore_eos": True}
+    resp = client.completions.create(model=MODEL, prompt=PROMPTS[1], extra_body=extra, **kw)
+    want = offline_text(offline, PROMPTS[1], **kw, **extra)
+    assert resp.choices[0].text == want
+    assert want != offline_text(offline, PROMPTS[1], temperature=0, max_tokens=12, ignore_eos=True)
+    token = offline.tokenizer.encode(" cat")[-1]
+    resp = client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0, logit_bias={str(token): 100}
+    )
+    assert offline.tokenizer.encode(resp.choices[0].text) == [token] * 4
+
+
 def test_completion_stream_equals_non_stream(client):
     whole = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=24, temperature=0)
     chunks = list(
@@ -473,7 +487,11 @@ BAD = [
         "stream_options",
     ),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"x7": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"7": 300}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"49152": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [1, 99999999]}, 400, "prompt"),

@@ -130,6 +130,16 @@ def test_decode_side_prefix_hits_are_not_sent(pair, prompts):
     assert record.num_bytes == record.num_tokens * LAYOUT.bytes_per_token
 
 
+def test_penalties_count_the_first_token_made_on_the_prefill_side(pair, tiny_weights, prompts):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, frequency_penalty=1.5, repetition_penalty=1.3)
+    p, d = pair()
+    outs = generate_disaggregated(p, d, prompts, params)
+    want = colocated(tiny_weights, prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert want != colocated(tiny_weights, prompts)
+    assert_no_leaks(p, d)
+
+
 def test_first_token_logprobs_and_seeded_sampling_match(pair, tiny_weights, prompts):
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=10, ignore_eos=True, logprobs=2)
     p, d = pair()

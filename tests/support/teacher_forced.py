@@ -8,11 +8,16 @@ import torch
 from pdserve.attention.base import AttentionMetadata, PrefillSeq
 
 
-@torch.inference_mode()
 def teacher_forced_logprobs(engine, ids: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    """Log-probabilities of the next token at every position of `ids` ([len(ids), vocab], float32),
-    written into the engine's cache from block 0 on (the engine must hold no request). A quantized
-    cache is read back for every position, as decode steps read it."""
+    """Log-probabilities of the next token at every position of `ids` ([len(ids), vocab], float32)."""
+    return torch.log_softmax(teacher_forced_logits(engine, ids), dim=-1)
+
+
+@torch.inference_mode()
+def teacher_forced_logits(engine, ids: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Logits of the next token at every position of `ids` ([len(ids), vocab], float32), written into
+    the engine's cache from block 0 on (the engine must hold no request). A quantized cache is read back
+    for every position, as decode steps read it."""
     n, bs = len(ids), engine.kv_cache.block_size
     assert -(-n // bs) <= engine.kv_cache.num_blocks, "the sequence does not fit the engine's cache"
     meta = AttentionMetadata(
@@ -29,7 +34,7 @@ def teacher_forced_logprobs(engine, ids: list[int]) -> torch.Tensor:  # type: ig
     if kv.is_int4:  # the blocks are free again: their slots come back at the next step
         for b in range(-(-n // bs)):
             kv.note_freed(b, False)
-    return torch.log_softmax(engine.model.compute_logits(hidden).float(), dim=-1)
+    return engine.model.compute_logits(hidden).float()
 
 
 def kl_and_top1(ref: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

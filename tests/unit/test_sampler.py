@@ -242,3 +242,118 @@ def test_all_greedy_bfloat16_batch_matches_float32():
         assert out.logprobs is None
         assert torch.equal(out.token_ids, sample(x.float(), greedy_params).token_ids), trial
         assert torch.equal(out.token_ids, x.float().argmax(dim=-1)), trial
+
+
+# ---- penalties and logit bias ---------------------------------------------------------------------------
+
+
+def penalised_by_hand(logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """vLLM's penalties and OpenAI's bias, one token at a time: the independent reference."""
+    row = logits.clone()
+    for t, b in (p.logit_bias or {}).items():
+        row[t] += b
+    for t in set(prompt) | set(output):
+        row[t] = row[t] / p.repetition_penalty if row[t] > 0 else row[t] * p.repetition_penalty
+    for t in set(output):
+        row[t] -= p.frequency_penalty * output.count(t) + p.presence_penalty
+    return row
+
+
+def test_penalties_equal_a_token_by_token_reference():
+    g = torch.Generator().manual_seed(3)
+    vocab = 40
+    logits = torch.randn(5, vocab, generator=g) * 3
+    params = [
+        SamplingParams(temperature=0, repetition_penalty=1.4, frequency_penalty=0.7, presence_penalty=-0.3),
+        SamplingParams(temperature=0),  # no penalty, in the same batch
+        SamplingParams(temperature=0.8, frequency_penalty=1.5, logit_bias={0: 4.0, 39: -100.0}),
+        SamplingParams(temperature=0, repetition_penalty=0.6),  # < 1 favours tokens already seen
+        SamplingParams(temperature=0, presence_penalty=2.0, logit_bias={7: 0.5}),
+    ]
+    histories = [([1, 2, 3], (3, 3, 9, 1)), None, ([5], (0, 0, 0, 39)), ([6, 7], (8,)), ([], (7, 7, 11))]
+    md = SamplingMetadata.from_params(params, {}, vocab, CPU, histories)
+    assert md.penalties is not None
+    got = md.penalties.apply(logits)
+    for i, (p, h) in enumerate(zip(params, histories)):
+        prompt, output = h or ([], ())
+        want = penalised_by_hand(logits[i], p, list(prompt), list(output))
+        torch.testing.assert_close(got[i], want, rtol=0, atol=1e-6)
+    assert torch.equal(got[1], logits[1])
+    assert not torch.equal(got[0], logits[0])
+
+
+def test_repetition_penalty_equals_transformers():
+    transformers = pytest.importorskip("transformers")
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(2, 30, generator=g) * 2
+    seqs = [[4, 5, 6, 4, 20], [1, 29, 0]]
+    params = [SamplingParams(temperature=0, repetition_penalty=1.3)] * 2
+    md = SamplingMetadata.from_params(params, {}, 30, CPU, [(s[:2], tuple(s[2:])) for s in seqs])
+    assert md.penalties is not None
+    hf = transformers.RepetitionPenaltyLogitsProcessor(1.3)
+    for i, s in enumerate(seqs):
+        want = hf(torch.tensor([s]), logits[i : i + 1].clone())[0]
+        torch.testing.assert_close(md.penalties.apply(logits)[i], want)
+
+
+def test_penalties_change_greedy_and_random_choices():
+    logits = torch.tensor([[5.0, 4.0, 0.0, -1.0]]).expand(4, -1).contiguous()
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, frequency_penalty=1.0),  # token 0 seen twice: 5 - 2 < 4
+        SamplingParams(temperature=0, logit_bias={3: 10.0}),
+        SamplingParams(temperature=1.0, logit_bias={0: -100.0, 1: -100.0}),  # only 2 and 3 can be drawn
+    ]
+    histories = [None, ([], (0, 0)), ([], ()), ([], ())]
+    md = SamplingMetadata.from_params(params, {}, 4, CPU, histories)
+    assert Sampler(torch.Generator().manual_seed(0))(logits, md).token_ids[:3].tolist() == [0, 1, 3]
+    drawn = {Sampler(torch.Generator().manual_seed(s))(logits, md).token_ids[3].item() for s in range(200)}
+    assert drawn == {2, 3}
+
+
+def test_logprobs_stay_those_of_the_raw_model_with_penalties():
+    logits = torch.randn(1, 12, generator=torch.Generator().manual_seed(5))
+    p = SamplingParams(temperature=0, logprobs=3, logit_bias={int(logits[0].argmin()): 100.0})
+    md = SamplingMetadata.from_params([p], {}, 12, CPU, [([], ())])
+    out = Sampler()(logits, md)
+    assert out.token_ids.item() == int(logits[0].argmin())  # the bias picked it
+    assert out.logprobs is not None
+    torch.testing.assert_close(out.logprobs[0, 0], torch.log_softmax(logits[0], -1).min())
+
+
+def test_no_penalties_no_penalty_work():
+    md = SamplingMetadata.from_params([SamplingParams(temperature=0), SamplingParams()], {}, 8, CPU, [None, None])
+    assert md.penalties is None
+    md = SamplingMetadata.from_params([SamplingParams(temperature=0, logit_bias={1: 1.0})], {}, 8, CPU, [([], ())])
+    assert md.penalties is not None and md.penalties.counts is None and md.penalties.seen is None
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(presence_penalty=2.5),
+        dict(frequency_penalty=float("nan")),
+        dict(frequency_penalty=True),
+        dict(repetition_penalty=0.0),
+        dict(repetition_penalty=float("inf")),
+        dict(logit_bias={-1: 1.0}),
+        dict(logit_bias={"5": 1.0}),
+        dict(logit_bias={5: 101.0}),
+        dict(logit_bias={5: float("nan")}),
+        dict(logit_bias={i: 1.0 for i in range(1025)}),
+    ],
+)
+def test_bad_penalties_are_refused(kw):
+    from pdserve.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(**kw)
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused():
+    from pdserve.errors import InvalidRequestError
+
+    p = SamplingParams(logit_bias={95: 1.0})
+    p.check_vocab(96)
+    with pytest.raises(InvalidRequestError, match=r"\[0, 96\)"):
+        SamplingParams(logit_bias={96: 1.0}).check_vocab(96)
