@@ -273,7 +273,7 @@ def test_penalties_equal_a_token_by_token_reference():
     histories = [([1, 2, 3], (3, 3, 9, 1)), None, ([5], (0, 0, 0, 39)), ([6, 7], (8,)), ([], (7, 7, 11))]
     md = SamplingMetadata.from_params(params, {}, vocab, CPU, histories)
     assert md.penalties is not None
-    got = md.penalties.apply(logits)
+    got = md.penalties.apply_(logits.clone())
     for i, (p, h) in enumerate(zip(params, histories)):
         prompt, output = h or ([], ())
         want = penalised_by_hand(logits[i], p, list(prompt), list(output))
@@ -293,7 +293,7 @@ def test_repetition_penalty_equals_transformers():
     hf = transformers.RepetitionPenaltyLogitsProcessor(1.3)
     for i, s in enumerate(seqs):
         want = hf(torch.tensor([s]), logits[i : i + 1].clone())[0]
-        torch.testing.assert_close(md.penalties.apply(logits)[i], want)
+        torch.testing.assert_close(md.penalties.apply_(logits.clone())[i], want)
 
 
 def test_penalties_change_greedy_and_random_choices():
@@ -306,7 +306,9 @@ def test_penalties_change_greedy_and_random_choices():
     ]
     histories = [None, ([], (0, 0)), ([], ()), ([], ())]
     md = SamplingMetadata.from_params(params, {}, 4, CPU, histories)
+    given = logits.clone()
     assert Sampler(torch.Generator().manual_seed(0))(logits, md).token_ids[:3].tolist() == [0, 1, 3]
+    assert torch.equal(logits, given)  # float32 logits are penalised in a copy
     drawn = {Sampler(torch.Generator().manual_seed(s))(logits, md).token_ids[3].item() for s in range(200)}
     assert drawn == {2, 3}
 
@@ -325,7 +327,7 @@ def test_no_penalties_no_penalty_work():
     md = SamplingMetadata.from_params([SamplingParams(temperature=0), SamplingParams()], {}, 8, CPU, [None, None])
     assert md.penalties is None
     md = SamplingMetadata.from_params([SamplingParams(temperature=0, logit_bias={1: 1.0})], {}, 8, CPU, [([], ())])
-    assert md.penalties is not None and md.penalties.counts is None and md.penalties.seen is None
+    assert md.penalties is not None and md.penalties.repetition is None and md.penalties.subtract is None
 
 
 @pytest.mark.parametrize(
