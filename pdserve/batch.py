@@ -31,6 +31,9 @@ class BatchRequest:
     # The prompt and the output so far (drafts excluded) of a sampling request whose params have
     # penalties (`SamplingParams.has_penalties`): what the sampler counts. None for every other request.
     history: tuple[list[int], tuple[int, ...]] | None = None
+    # For a request that scores its prompt (`SamplingParams.prompt_logprobs`): the prompt tokens its
+    # positions in this step predict, token_ids[j] -> prompt_targets[j] (fewer at the prompt's end).
+    prompt_targets: list[int] | None = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -60,3 +63,6 @@ class ModelOutput:
     forward_time: float  # seconds spent in the model and sampler
     # Draft tokens proposed for each sampling request's next step (None: the executor proposes none).
     spec_token_ids: list[list[int]] | None = None
+    # req_id -> one {token_id: logprob} per entry of its BatchRequest.prompt_targets (the target's own
+    # logprob and the top alternatives), for the requests that score their prompt.
+    prompt_logprobs: dict[str, list[dict[int, float]]] | None = None

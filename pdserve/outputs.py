@@ -41,3 +41,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None
+    # With SamplingParams.prompt_logprobs: None for the first prompt token (nothing before it), then one
+    # {token_id: logprob} per prompt token (its own first, then the top alternatives); as vLLM's.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

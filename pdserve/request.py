@@ -19,6 +19,7 @@ from pdserve.errors import InvalidRequestError
 
 # Bounds on what one request may ask of the sampler (each entry of logit_bias is work on every step).
 MAX_LOGIT_BIAS = 1024
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's limit)
 
 
 class RequestStatus(enum.Enum):
@@ -60,6 +61,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return with each sampled token
+    # The prompt's own logprobs (vLLM's name): for each prompt token after the first, its logprob given
+    # the tokens before it and this many top alternatives. Its prompt is computed whole (no prefix-cache
+    # hits), as eval harnesses score continuations (`echo` in the OpenAI server).
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # This request's latency targets in milliseconds; None: the engine's (SchedulerConfig.slo_ttft_ms /
@@ -125,8 +130,10 @@ class SamplingParams:
                     raise bad(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad(f"seed must be an integer, got {self.seed!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            raise bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_LOGPROBS):
+                raise bad(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -180,6 +187,8 @@ class Request:
     finished_time: float | None = None
     # Per-token logprobs, when params.logprobs is set: one dict {token_id: logprob} per output token.
     logprobs: list[dict[int, float]] | None = None
+    # When params.prompt_logprobs is set: one dict per prompt token scored so far, from the second on.
+    prompt_logprobs: list[dict[int, float]] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -102,6 +102,8 @@ class EngineLoop:
         params = params or SamplingParams()
         params.validate()
         params.check_vocab(self.vocab_size)
+        if kv_transfer is not None and params.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt_logprobs is not supported with disaggregation (kv_transfer_params)")
         self._check_transfer(kv_transfer)
         if req_id is None:
             req_id = f"req-{next(self._ids)}"

@@ -93,4 +93,9 @@ class OutputProcessor:
             req.arrival_time, req.first_scheduled_time, req.first_token_time, req.finished_time,
             req.num_cached_tokens, req.num_preemptions,
         )
-        return RequestOutput(req.req_id, st.prompt, req.prompt_token_ids, [comp], finished, metrics, req.error)
+        prompt_logprobs = None
+        if req.params.prompt_logprobs is not None:
+            prompt_logprobs = [None, *(req.prompt_logprobs or [])]
+        return RequestOutput(
+            req.req_id, st.prompt, req.prompt_token_ids, [comp], finished, metrics, req.error, prompt_logprobs
+        )

@@ -82,9 +82,10 @@ class BlockManager:
     # ---- prefix cache --------------------------------------------------------------------------
     def get_computed_blocks(self, req: Request) -> list[int]:
         """Longest run of cached full blocks that prefixes `req`'s tokens. At least one token is always
-        left to compute (the step that computes it produces the logits to sample from). Takes no
+        left to compute (the step that computes it produces the logits to sample from). None for a
+        request that scores its prompt (`prompt_logprobs`: every position's logits are wanted). Takes no
         references: pass the result to `allocate_slots`."""
-        if not self.enable_prefix_caching or req.block_ids:
+        if not self.enable_prefix_caching or req.block_ids or req.params.prompt_logprobs is not None:
             return []
         num_full = (req.num_tokens - 1) // self.block_size
         hits: list[int] = []

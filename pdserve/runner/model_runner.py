@@ -27,6 +27,8 @@ from pdserve.scheduler.scheduler import SchedulerOutput
 
 __all__ = ["ModelOutput", "ModelRunner"]
 
+_SCORE_ROWS = 256  # prompt positions scored at a time (`prompt_logprobs`)
+
 
 class ModelRunner:
     def __init__(
@@ -69,11 +71,12 @@ class ModelRunner:
         scheduled = sorted(batch.requests, key=_layout_key)
         hidden, last_index = self._forward(scheduled, after_layer)
 
+        prompt_logprobs = self._prompt_logprobs(scheduled, hidden, last_index)
         # Sampling rows in scheduler order, so the scheduler can zip them with its own list.
         flat_pos = {id(r): last_index[j] for j, r in enumerate(scheduled)}
         sampling = batch.sampling
         if not sampling:
-            return ModelOutput([], [], time.perf_counter() - t0)
+            return ModelOutput([], [], time.perf_counter() - t0, prompt_logprobs=prompt_logprobs)
         gens: dict[int, torch.Generator] = {}  # sampling request -> its generator, when seeded
         for i, r in enumerate(sampling):
             if r.params.seed is not None:
@@ -83,7 +86,9 @@ class ModelRunner:
                     self._generators[r.req_id] = g
                 gens[i] = g
         if any(r.num_spec_tokens for r in sampling):
-            return self._verify(sampling, hidden, flat_pos, gens, t0)
+            out = self._verify(sampling, hidden, flat_pos, gens, t0)
+            out.prompt_logprobs = prompt_logprobs
+            return out
         rows = torch.tensor([flat_pos[id(r)] for r in sampling], device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows), upcast=False)
         params = [r.params for r in sampling]
@@ -96,7 +101,33 @@ class ModelRunner:
             for row, p in enumerate(params):
                 if p.logprobs is not None:
                     logprobs[row] = [dict(zip(ids[row][: p.logprobs + 1], lp[row][: p.logprobs + 1]))]
-        return ModelOutput(token_ids, logprobs, time.perf_counter() - t0)
+        return ModelOutput(token_ids, logprobs, time.perf_counter() - t0, prompt_logprobs=prompt_logprobs)
+
+    def _prompt_logprobs(
+        self, scheduled: list[BatchRequest], hidden: torch.Tensor, last_index: list[int]
+    ) -> dict[str, list[dict[int, float]]] | None:
+        """For the requests that score their prompt: per position of this step that predicts a prompt
+        token, that token's logprob then the top `prompt_logprobs` alternatives. Logits are computed
+        `_SCORE_ROWS` positions at a time (a 2k-token chunk's [rows, vocab] float32 logits whole would be
+        400 MB at SmolLM2's 49,152 tokens)."""
+        out: dict[str, list[dict[int, float]]] = {}
+        for j, r in enumerate(scheduled):
+            if not r.prompt_targets:
+                continue
+            k = r.params.prompt_logprobs or 0
+            first = last_index[j] - r.num_new_tokens + 1
+            targets = torch.tensor(r.prompt_targets, device=self.device)
+            entries: list[dict[int, float]] = []
+            for a in range(0, len(targets), _SCORE_ROWS):
+                t = targets[a : a + _SCORE_ROWS]
+                rows = torch.arange(first + a, first + a + len(t), device=self.device)
+                lp = torch.log_softmax(self.model.compute_logits(hidden.index_select(0, rows)), dim=-1)
+                top_lp, top_ids = lp.topk(k, dim=-1)
+                ids = torch.cat([t[:, None], top_ids], dim=-1).tolist()
+                vals = torch.cat([lp.gather(-1, t[:, None]), top_lp], dim=-1).tolist()
+                entries.extend(dict(zip(i, v)) for i, v in zip(ids, vals))
+            out[r.req_id] = entries
+        return out or None
 
     @torch.inference_mode()
     def logits_for(self, requests: list[BatchRequest], num_scored: list[int]) -> list[torch.Tensor]:

@@ -89,11 +89,24 @@ class SchedulerOutput:
             if num_spec:
                 token_ids = token_ids + req.spec_token_ids[:num_spec]
             samples = end >= known
-            history = (req.prompt_token_ids, tuple(req.output_token_ids)) if samples and req.params.has_penalties else None
+            params = req.params
+            history = (req.prompt_token_ids, tuple(req.output_token_ids)) if samples and params.has_penalties else None
+            targets = None
+            if params.prompt_logprobs is not None and start < len(req.prompt_token_ids) - 1:
+                targets = req.prompt_token_ids[start + 1 : end + 1]
             requests.append(
-                BatchRequest(req.req_id, token_ids, start, list(req.block_ids), samples, num_spec, req.params, history)
+                BatchRequest(req.req_id, token_ids, start, list(req.block_ids), samples, num_spec, params, history, targets)
             )
         return Batch(requests, self.num_batched_tokens)
+
+
+def _add_prompt_logprobs(req: Request, start: int, scored: list[dict[int, float]]) -> None:
+    """`scored` rates prompt tokens start + 1, start + 2, ...; keep those not rated before (a prompt
+    recomputed after preemption is rated again)."""
+    have = req.prompt_logprobs if req.prompt_logprobs is not None else []
+    assert start <= len(have), "prompt positions are computed in order, none from the prefix cache"
+    have.extend(scored[len(have) - start :])
+    req.prompt_logprobs = have
 
 
 class Scheduler:
@@ -440,6 +453,8 @@ class Scheduler:
                 if samples:
                     next(sampled)
                 continue
+            if model_output.prompt_logprobs and (scored := model_output.prompt_logprobs.get(req.req_id)):
+                _add_prompt_logprobs(req, req.num_computed_tokens, scored)
             req.num_computed_tokens += s.num_new_tokens
             if not samples:
                 bm.cache_full_blocks(req)

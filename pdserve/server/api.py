@@ -158,8 +158,10 @@ def build_app(config: ServerConfig) -> FastAPI:
             raise bad_request(f"logprobs must be an integer in [0, {MAX_LOGPROBS}]", param="logprobs")
         prompts = await server.tokenize_prompts(req.prompt)
         wanted = 16 if req.max_tokens is None else req.max_tokens
+        prompt_logprobs = req.logprobs if req.echo else None  # echo with logprobs rates the prompt's tokens
         params = [
-            sampling_params(req, server.check_prompt(ids, wanted, "prompt"), req.logprobs) for ids in prompts
+            sampling_params(req, server.check_prompt(ids, wanted, "prompt"), req.logprobs, prompt_logprobs)
+            for ids in prompts
         ]
         job = server.new_job(
             "cmpl",
@@ -168,6 +170,7 @@ def build_app(config: ServerConfig) -> FastAPI:
             bool(req.stream),
             bool(req.stream_options and req.stream_options.include_usage),
             req.logprobs,
+            server.prompt_texts(req.prompt, prompts) if req.echo else None,
         )
         kv = server.kv_transfer_of(req, job, request)
         server.submit(job, params, kv)

@@ -50,6 +50,7 @@ class Job:
     stream: bool
     include_usage: bool
     logprobs: int | None
+    echo: list[str] | None = None  # completions with `echo`: each prompt's text, put before its choices'
     req_ids: list[str] = field(default_factory=list)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     deadline: float | None = None  # monotonic; past it the request is aborted (--request-timeout)
@@ -296,11 +297,20 @@ class Server:
         )
 
     def new_job(self, prefix: str, prompts: list[list[int]], n: int, stream: bool, usage: bool,
-                logprobs: int | None) -> Job:
+                logprobs: int | None, echo: list[str] | None = None) -> Job:
         timeout = self.config.request_timeout_s
         deadline = None if timeout is None else time.monotonic() + timeout
         return Job(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), prompts, n, stream, usage, logprobs,
-                    deadline=deadline)
+                   echo, deadline=deadline)
+
+    def prompt_texts(self, prompt: str | list[Any], ids: list[list[int]]) -> list[str]:
+        """Each prompt's text as `echo` repeats it: as sent, or decoded where it came as token ids."""
+        if isinstance(prompt, str):
+            return [prompt]
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        assert self.tokenizer is not None
+        return [self.tokenizer.decode(p, skip_special_tokens=False) for p in ids]
 
     def error_of(self, d: RequestDelta) -> APIError:
         if d.invalid:

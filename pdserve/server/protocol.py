@@ -12,16 +12,16 @@ clients send fields this server has no use for. `ignore_eos`, `top_k`, `min_p`, 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 import msgspec
 
 from pdserve.errors import InvalidRequestError
-from pdserve.request import MAX_LOGIT_BIAS, SamplingParams
+from pdserve.request import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from pdserve.server.wire import ErrorBody, ErrorInfo
 
 MAX_N = 128
-MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16  # each one is matched against the text after every token
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256  # each one is compared with every sampled token, inside the shared step
@@ -160,8 +160,6 @@ def check_unsupported(req: _GenerationRequest) -> None:
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise bad_request("echo is not supported", param="echo")
         if req.suffix:
             raise bad_request("suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != (req.n or 1):
@@ -182,7 +180,9 @@ def num_choices(req: _GenerationRequest) -> int:
     return n
 
 
-def sampling_params(req: _GenerationRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(
+    req: _GenerationRequest, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+) -> SamplingParams:
     """The engine's parameters for one choice of `req` (the caller offsets `seed` per choice)."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     try:
@@ -201,6 +201,7 @@ def sampling_params(req: _GenerationRequest, max_tokens: int, logprobs: int | No
             stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=bool(req.ignore_eos),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
             skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens,
             slo_ttft_ms=req.slo_ttft_ms,
@@ -272,15 +273,16 @@ class LogprobFormatter:
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
     def completion(
-        self, token_ids: list[int], logprobs: list[dict[int, float]], text_offset: int
+        self, token_ids: list[int], logprobs: Sequence[dict[int, float] | None], text_offset: int
     ) -> tuple[dict[str, list[Any]], int]:
-        """The completions `logprobs` object for these tokens, and the text offset after them."""
+        """The completions `logprobs` object for these tokens, and the text offset after them. An entry
+        of None (an echoed prompt's first token: nothing before it) is null in both lists."""
         tokens, token_logprobs, top, offsets = [], [], [], []
         for token_id, entry in zip(token_ids, logprobs):
             text = self.token(token_id)
             tokens.append(text)
-            token_logprobs.append(entry.get(token_id))
-            top.append({self.token(t): lp for t, lp in entry.items()})
+            token_logprobs.append(None if entry is None else entry.get(token_id))
+            top.append(None if entry is None else {self.token(t): lp for t, lp in entry.items()})
             offsets.append(text_offset)
             text_offset += len(text)
         body = {

@@ -75,8 +75,10 @@ class Choice:
     stop_reason: str | int | None = None
     token_ids: list[int] = field(default_factory=list)  # only when logprobs are wanted
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # echo with logprobs
     text_offset: int = 0
     sent_role: bool = False
+    sent_echo: bool = False
 
 
 class Format:
@@ -98,21 +100,28 @@ class Format:
             "model": self.server.model_name,
         }
 
-    def whole(self, c: Choice) -> dict[str, Any]:
+    def whole(self, c: Choice, index: int) -> dict[str, Any]:
         text = "".join(c.text)
         lp = self.logprobs
         if self.chat:
             logprobs = {"content": lp.chat(c.token_ids, c.logprobs, self.job.logprobs or 0)} if lp else None
             return {"message": {"role": "assistant", "content": text}, "logprobs": logprobs}
-        return {"text": text, "logprobs": lp.completion(c.token_ids, c.logprobs, 0)[0] if lp else None}
+        prefix, prompt_lp = self._echo(c, index, c.prompt_logprobs)
+        logprobs = self._completion_logprobs(c, index, prompt_lp, c.token_ids, c.logprobs) if lp else None
+        return {"text": prefix + text, "logprobs": logprobs}
 
-    def delta(self, c: Choice, d: RequestDelta) -> dict[str, Any]:
+    def echo_pending(self, c: Choice) -> bool:
+        """Whether this completion choice still owes its echoed prompt (sent with its first chunk)."""
+        return self.job.echo is not None and not c.sent_echo
+
+    def delta(self, c: Choice, d: RequestDelta, index: int) -> dict[str, Any]:
         lp = self.logprobs if d.logprobs else None
         if not self.chat:
+            prefix, prompt_lp = self._echo(c, index, d.prompt_logprobs)
             logprobs = None
-            if lp is not None:
-                logprobs, c.text_offset = lp.completion(d.new_token_ids, d.logprobs or [], c.text_offset)
-            return {"text": d.new_text, "logprobs": logprobs}
+            if lp is not None or prompt_lp is not None:
+                logprobs = self._completion_logprobs(c, index, prompt_lp, d.new_token_ids, d.logprobs or [])
+            return {"text": prefix + d.new_text, "logprobs": logprobs}
         delta: dict[str, Any] = {}
         if not c.sent_role:  # the role rides on the first chunk that carries text, not ahead of it
             delta["role"] = "assistant"
@@ -123,6 +132,36 @@ class Format:
         if lp is not None:
             logprobs = {"content": lp.chat(d.new_token_ids, d.logprobs or [], self.job.logprobs or 0)}
         return {"delta": delta, "logprobs": logprobs}
+
+    def _echo(
+        self, c: Choice, index: int, prompt_logprobs: list[dict[int, float] | None] | None
+    ) -> tuple[str, list[dict[int, float] | None] | None]:
+        """The prompt text to put before this choice's text, and its tokens' logprobs (with logprobs),
+        the first time the choice is written (`echo`); nothing after that or without echo."""
+        if not self.echo_pending(c):
+            return "", None
+        assert self.job.echo is not None
+        c.sent_echo = True
+        return self.job.echo[index // self.job.n], prompt_logprobs if self.logprobs is not None else None
+
+    def _completion_logprobs(
+        self,
+        c: Choice,
+        index: int,
+        prompt_lp: list[dict[int, float] | None] | None,
+        token_ids: list[int],
+        entries: list[dict[int, float]],
+    ) -> dict[str, list[Any]]:
+        """The completions `logprobs` object for these tokens, after the echoed prompt's tokens if given;
+        the choice's text offset carried on."""
+        lp = self.logprobs
+        assert lp is not None
+        if prompt_lp is not None:
+            ids, all_entries = self.job.prompts[index // self.job.n] + token_ids, [*prompt_lp, *entries]
+        else:
+            ids, all_entries = token_ids, list(entries)
+        body, c.text_offset = lp.completion(ids, all_entries, c.text_offset)
+        return body
 
 
 async def respond(server: Server, job: Job, request: Request, chat: bool) -> Response:
@@ -144,6 +183,8 @@ def add_delta(fmt: Format, c: Choice, d: RequestDelta) -> None:
     if fmt.logprobs is not None and d.logprobs:
         c.token_ids.extend(d.new_token_ids)
         c.logprobs.extend(d.logprobs)
+    if d.prompt_logprobs is not None:
+        c.prompt_logprobs = d.prompt_logprobs
     if d.finish_reason is not None:
         c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
 
@@ -151,7 +192,7 @@ def add_delta(fmt: Format, c: Choice, d: RequestDelta) -> None:
 def whole_body(fmt: Format, job: Job, choices: list[Choice]) -> dict[str, Any]:
     body = fmt.head(stream=False)
     body["choices"] = [
-        {"index": i, **fmt.whole(c), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        {"index": i, **fmt.whole(c, i), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         for i, c in enumerate(choices)
     ]
     body["usage"] = usage(job.num_prompt_tokens, sum(c.num_tokens for c in choices))
@@ -239,9 +280,9 @@ async def stream(server: Server, job: Job, chat: bool) -> AsyncIterator[bytes]:
             c.num_tokens += len(d.new_token_ids)
             if d.finish_reason is not None:
                 remaining -= 1
-            if not (d.new_text or d.finish_reason or (fmt.logprobs and d.logprobs)):
+            if not (d.new_text or d.finish_reason or (fmt.logprobs and d.logprobs) or fmt.echo_pending(c)):
                 continue  # text held back (partial character, possible stop string): nothing to show yet
-            choice = {"index": index, **fmt.delta(c, d), "finish_reason": d.finish_reason}
+            choice = {"index": index, **fmt.delta(c, d, index), "finish_reason": d.finish_reason}
             if d.finish_reason is not None:
                 choice["stop_reason"] = d.stop_reason
             chunk = {**head, "choices": [choice]}

@@ -144,6 +144,33 @@ def test_penalties_and_logit_bias_reach_the_engine(client, offline):
     assert offline.tokenizer.encode(resp.choices[0].text) == [token] * 4
 
 
+def test_echo_puts_the_prompt_before_the_text_and_rates_its_tokens(client, offline):
+    """lm-evaluation-harness scores a continuation with echo, logprobs and max_tokens=1."""
+    prompt = PROMPTS[0]
+    resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, echo=True)
+    assert resp.choices[0].text == prompt + offline_text(offline, prompt, temperature=0, max_tokens=5)
+    ids = offline.tokenizer.encode(prompt)
+    resp = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0, echo=True, logprobs=2)
+    lp = resp.choices[0].logprobs
+    want = offline.generate(
+        ids, SamplingParams(temperature=0, max_tokens=1, logprobs=2, prompt_logprobs=2), use_tqdm=False
+    )[0]
+    assert want.prompt_logprobs is not None and len(lp.tokens) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, len(ids)):
+        assert lp.token_logprobs[i] == pytest.approx(want.prompt_logprobs[i][ids[i]], abs=1e-5)
+        assert len(lp.top_logprobs[i]) >= 2
+    assert lp.token_logprobs[-1] == pytest.approx(want.outputs[0].logprobs[0][want.outputs[0].token_ids[0]], abs=1e-5)
+    assert lp.text_offset == sorted(lp.text_offset)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, echo=True,
+                                            stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == resp_text(client, prompt, echo=True)
+
+
+def resp_text(client, prompt: str, **kw) -> str:  # type: ignore[no-untyped-def]
+    return client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, **kw).choices[0].text
+
+
 def test_completion_stream_equals_non_stream(client):
     whole = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=24, temperature=0)
     chunks = list(
@@ -486,7 +513,6 @@ BAD = [
         400,
         "stream_options",
     ),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"x7": 1}}, 400, "logit_bias"),

@@ -258,6 +258,7 @@ class EngineCore:
             comp = out.outputs[0]
             new_ids = list(comp.new_token_ids)
             logprobs = comp.logprobs[-len(new_ids) :] if comp.logprobs and new_ids else None
+            first = bool(new_ids) and len(comp.token_ids) == len(new_ids)
             m = out.metrics
             deltas.append(
                 RequestDelta(
@@ -271,6 +272,7 @@ class EngineCore:
                     False,
                     m.first_scheduled_time if m is not None else None,
                     m.num_cached_tokens if m is not None else 0,
+                    prompt_logprobs=out.prompt_logprobs if first else None,
                 )
             )
         engine = self.engine

@@ -65,6 +65,8 @@ class RequestDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (final delta)
     rejected: bool = False  # the `slo` policy refused the request (a 503 for its client), nothing ran
     kv_skip_tokens: int | None = None  # blocks reserved for a remote prefill: prompt tokens held already
+    # With prompt_logprobs, on the request's first delta with tokens: RequestOutput.prompt_logprobs.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class StepStats(msgspec.Struct, array_like=True):
