@@ -168,7 +168,7 @@ def build_app(config: ServerConfig) -> FastAPI:
             prompts,
             n,
             bool(req.stream),
-            bool(req.stream_options and req.stream_options.include_usage),
+            req.stream_options,
             req.logprobs,
             server.prompt_texts(req.prompt, prompts) if req.echo else None,
         )
@@ -204,7 +204,7 @@ def build_app(config: ServerConfig) -> FastAPI:
             [ids],
             n,
             bool(req.stream),
-            bool(req.stream_options and req.stream_options.include_usage),
+            req.stream_options,
             num_logprobs,
         )
         kv = server.kv_transfer_of(req, job, request)

@@ -26,7 +26,7 @@ from pdserve.server.chat import ChatEncoder
 from pdserve.engine.process.client import EngineClient, EngineDeadError, OverloadedError
 from pdserve.server.guards import check_api_key, check_cluster, check_json_content_type, read_body
 from pdserve.server.metrics import ServerMetrics
-from pdserve.server.protocol import APIError, LogprobFormatter, bad_request, choice_seed
+from pdserve.server.protocol import APIError, LogprobFormatter, StreamOptions, bad_request, choice_seed
 
 # A token is rarely more than a few characters: a text this many times longer than the context cannot
 # fit, and is refused before it is tokenized.
@@ -51,6 +51,7 @@ class Job:
     include_usage: bool
     logprobs: int | None
     echo: list[str] | None = None  # completions with `echo`: each prompt's text, put before its choices'
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
     req_ids: list[str] = field(default_factory=list)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     deadline: float | None = None  # monotonic; past it the request is aborted (--request-timeout)
@@ -296,12 +297,14 @@ class Server:
             "request_timeout",
         )
 
-    def new_job(self, prefix: str, prompts: list[list[int]], n: int, stream: bool, usage: bool,
-                logprobs: int | None, echo: list[str] | None = None) -> Job:
+    def new_job(self, prefix: str, prompts: list[list[int]], n: int, stream: bool,
+                stream_options: StreamOptions | None, logprobs: int | None, echo: list[str] | None = None) -> Job:
         timeout = self.config.request_timeout_s
         deadline = None if timeout is None else time.monotonic() + timeout
+        usage = bool(stream_options and stream_options.include_usage)
+        continuous = usage and bool(stream_options and stream_options.continuous_usage_stats)
         return Job(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), prompts, n, stream, usage, logprobs,
-                   echo, deadline=deadline)
+                   echo, continuous, deadline=deadline)
 
     def prompt_texts(self, prompt: str | list[Any], ids: list[list[int]]) -> list[str]:
         """Each prompt's text as `echo` repeats it: as sent, or decoded where it came as token ids."""

@@ -286,8 +286,9 @@ async def stream(server: Server, job: Job, chat: bool) -> AsyncIterator[bytes]:
             if d.finish_reason is not None:
                 choice["stop_reason"] = d.stop_reason
             chunk = {**head, "choices": [choice]}
-            if job.include_usage:
-                chunk["usage"] = None
+            if job.include_usage:  # the counts so far with continuous_usage_stats, else only at the end
+                running = job.continuous_usage
+                chunk["usage"] = usage(job.num_prompt_tokens, sum(c.num_tokens for c in choices)) if running else None
             yield sse(chunk)
         else:
             if job.include_usage:

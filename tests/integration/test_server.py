@@ -198,6 +198,18 @@ def test_completion_stream_equals_non_stream(client):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_continuous_usage_counts_in_every_chunk(client):
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0, stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert all(c.usage is not None and c.usage.prompt_tokens == chunks[0].usage.prompt_tokens for c in chunks)
+    assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == 12 and len(set(counts)) > 2
+
+
 def test_sse_framing(url):
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 5, "temperature": 0, "stream": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
