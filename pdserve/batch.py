@@ -31,6 +31,9 @@ class BatchRequest:
     # The prompt and the output so far (drafts excluded) of a sampling request whose params have
     # penalties (`SamplingParams.has_penalties`): what the sampler counts. None for every other request.
     history: tuple[list[int], tuple[int, ...]] | None = None
+    # While a request's output is shorter than its min_tokens: the tokens it may not sample yet (its EOS
+    # unless ignore_eos, and its stop_token_ids). None otherwise.
+    stop_ids: tuple[int, ...] | None = None
     # For a request that scores its prompt (`SamplingParams.prompt_logprobs`): the prompt tokens its
     # positions in this step predict, token_ids[j] -> prompt_targets[j] (fewer at the prompt's end).
     prompt_targets: list[int] | None = None

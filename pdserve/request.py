@@ -55,6 +55,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    # No EOS (unless ignore_eos) or stop_token_ids before this many output tokens (vLLM's): their logits are
+    # -inf until then, and stop strings are looked for only from then on.
+    min_tokens: int = 0
     seed: int | None = None
     max_tokens: int = 16
     stop: list[str] = field(default_factory=list)
@@ -88,12 +91,14 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        """Whether the logits are changed by the sequence's own tokens or a bias before choosing."""
+        """Whether the logits are changed by the sequence's own tokens, a bias or min_tokens before
+        choosing."""
         return (
             self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
             or bool(self.logit_bias)
+            or self.min_tokens > 0
         )
 
     def validate(self) -> None:
@@ -112,6 +117,9 @@ class SamplingParams:
             raise bad(f"min_p must be in [0, 1], got {self.min_p}")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        v = self.min_tokens
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= self.max_tokens:
+            raise bad(f"min_tokens must be an integer in [0, max_tokens = {self.max_tokens}], got {v!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not (_is_number(v) and -2.0 <= v <= 2.0):

@@ -43,7 +43,7 @@ class OutputProcessor:
             st = self._states[req.req_id]
             if st.detok is not None:
                 st.text += st.detok.add(req.output_token_ids[st.num_sent_tokens :])  # type: ignore[attr-defined]
-                if req.params.stop and not req.is_finished:
+                if req.params.stop and not req.is_finished and req.num_output_tokens >= req.params.min_tokens:
                     self._check_stop_strings(req, st, scheduler)
             results.append(self._output(req, st))
         return results

@@ -92,7 +92,8 @@ class ModelRunner:
         rows = torch.tensor([flat_pos[id(r)] for r in sampling], device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows), upcast=False)
         params = [r.params for r in sampling]
-        md = SamplingMetadata.from_params(params, gens, self.vocab_size, self.device, [r.history for r in sampling])
+        histories = [None if r.history is None else History(*r.history, r.stop_ids or ()) for r in sampling]
+        md = SamplingMetadata.from_params(params, gens, self.vocab_size, self.device, histories)
         so = self.sampler(logits, md)
         token_ids = [[t] for t in so.token_ids.tolist()]
         logprobs: list[list[dict[int, float]] | None] = [None] * len(sampling)
@@ -192,7 +193,7 @@ class ModelRunner:
                 histories.extend([None] * (k + 1))
             else:
                 prompt, output = r.history
-                histories.extend((prompt, (*output, *own[:j])) for j in range(k + 1))
+                histories.extend(History(prompt, (*output, *own[:j]), r.stop_ids or ()) for j in range(k + 1))
         logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(rows, device=self.device)))
         md = SamplingMetadata.from_params(params, {}, self.vocab_size, self.device, histories)
         num_drafts = [r.num_spec_tokens for r in sampling]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -22,21 +23,28 @@ from pdserve.request import SamplingParams
 _MIN_TEMPERATURE = 1e-5
 
 
-# A row's tokens for its penalties: (prompt token ids, output token ids so far).
-History = tuple[Sequence[int], Sequence[int]]
+class History(NamedTuple):
+    """What a row's penalties count: its sequence so far, and the tokens it may not sample before its
+    min_tokens (EOS, stop_token_ids)."""
+
+    prompt: Sequence[int]
+    output: Sequence[int]
+    stop_ids: Sequence[int] = ()
 
 
 @dataclass(slots=True)
 class Penalties:
-    """The rows' penalties and logit biases (vLLM's semantics and order): the bias is added, then
-    repetition divides the positive logits and multiplies the others of every token in the row's prompt
-    or output, then frequency x (occurrences in the output) + presence (if any) is subtracted.
+    """The rows' penalties and logit biases (vLLM's semantics and order): a row short of its min_tokens
+    gets -inf at its stop ids, the bias is added, then repetition divides the positive logits and
+    multiplies the others of every token in the row's prompt or output, then frequency x (occurrences in
+    the output) + presence (if any) is subtracted.
 
     Sparse: each part is a list of flat positions (row x V + token) of the rows that use it, with what it
     does there, so the work follows the sequences' lengths, not rows x vocabulary (dense [rows, V] counts
     cost 165 ms a step at 64 rows of Qwen2.5's 151,936 tokens on host G, mostly fresh pages). A part no
     row uses is None. Built per step: the counts change with every token."""
 
+    banned: torch.Tensor | None  # positions set to -inf (min_tokens)
     bias: tuple[torch.Tensor, torch.Tensor] | None  # positions, values to add
     repetition: tuple[torch.Tensor, torch.Tensor] | None  # positions (unique), the rows' penalties there
     subtract: torch.Tensor | None  # positions (unique) of output tokens ...
@@ -61,8 +69,12 @@ class Penalties:
         def history(i: int) -> History:
             h = histories[i]
             assert h is not None, "a row with penalties has no history"
-            return h
+            return History(*h)
 
+        banned = None
+        short = [i for i in rows if len(history(i).output) < params[i].min_tokens and history(i).stop_ids]
+        if short:
+            banned = positions([(i, history(i).stop_ids) for i in short]).to(device)
         bias = None
         biased = [(i, params[i].logit_bias or {}) for i in rows if params[i].logit_bias]
         if biased:
@@ -71,23 +83,25 @@ class Penalties:
         repetition = None
         repeated = [i for i in rows if params[i].repetition_penalty != 1.0]
         if repeated:
-            pos = positions([(i, seq) for i in repeated for seq in history(i)]).unique()
+            pos = positions([(i, seq) for i in repeated for seq in (history(i).prompt, history(i).output)]).unique()
             factor = torch.tensor([params[i].repetition_penalty for i in range(len(params))])
             repetition = (pos.to(device), factor[pos // vocab_size].to(device))
         subtract = amounts = None
         counted = [i for i in rows if params[i].frequency_penalty != 0.0 or params[i].presence_penalty != 0.0]
         if counted:
-            pos, counts = positions([(i, history(i)[1]) for i in counted]).unique(return_counts=True)
+            pos, counts = positions([(i, history(i).output) for i in counted]).unique(return_counts=True)
             frequency = torch.tensor([params[i].frequency_penalty for i in range(len(params))])
             presence = torch.tensor([params[i].presence_penalty for i in range(len(params))])
             row = pos // vocab_size
             subtract, amounts = pos.to(device), (frequency[row] * counts + presence[row]).to(device)
-        return cls(bias, repetition, subtract, amounts)
+        return cls(banned, bias, repetition, subtract, amounts)
 
     def apply_(self, logits: torch.Tensor) -> torch.Tensor:
         """Penalise the float32 logits [N, V] (contiguous) in place; returns them."""
         assert logits.dtype == torch.float32 and logits.is_contiguous()
         flat = logits.view(-1)
+        if self.banned is not None:
+            flat[self.banned] = float("-inf")
         if self.bias is not None:
             flat.index_add_(0, *self.bias)
         if self.repetition is not None:

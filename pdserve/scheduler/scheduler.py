@@ -90,13 +90,16 @@ class SchedulerOutput:
                 token_ids = token_ids + req.spec_token_ids[:num_spec]
             samples = end >= known
             params = req.params
-            history = (req.prompt_token_ids, tuple(req.output_token_ids)) if samples and params.has_penalties else None
-            targets = None
+            history = stop_ids = targets = None
+            if samples and params.has_penalties:
+                history = (req.prompt_token_ids, tuple(req.output_token_ids))
+                if len(req.output_token_ids) < params.min_tokens:
+                    stop_ids = (*(() if params.ignore_eos else req.eos_token_ids), *params.stop_token_ids)
             if params.prompt_logprobs is not None and start < len(req.prompt_token_ids) - 1:
                 targets = req.prompt_token_ids[start + 1 : end + 1]
-            requests.append(
-                BatchRequest(req.req_id, token_ids, start, list(req.block_ids), samples, num_spec, params, history, targets)
-            )
+            requests.append(BatchRequest(
+                req.req_id, token_ids, start, list(req.block_ids), samples, num_spec, params, history, stop_ids, targets
+            ))
         return Batch(requests, self.num_batched_tokens)
 
 

@@ -5,8 +5,9 @@ Bodies are decoded strictly (a string where a number belongs is a 400, not a coe
 may send that pdserve does not implement are accepted at their neutral values and refused otherwise, so
 no request silently gets behaviour it did not ask for. Unknown fields are ignored, as OpenAI's own
 clients send fields this server has no use for. `ignore_eos`, `top_k`, `min_p`, `repetition_penalty`,
-`stop_token_ids`, `include_stop_str_in_output` and `skip_special_tokens` are extensions with vLLM's names; `slo_ttft_ms`,
-`slo_itl_ms` and `slo_tpot_ms` (per-request latency targets, positive milliseconds) are pdserve's own.
+`min_tokens`, `stop_token_ids`, `include_stop_str_in_output` and `skip_special_tokens` are extensions with
+vLLM's names; `slo_ttft_ms`, `slo_itl_ms` and `slo_tpot_ms` (per-request latency targets, positive
+milliseconds) are pdserve's own.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    min_tokens: Int32 | None = None
     user: str | None = None
     ignore_eos: bool | None = None
     stop_token_ids: StopTokenIds | None = None
@@ -195,6 +197,7 @@ def sampling_params(
             frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=_logit_bias(req.logit_bias),
+            min_tokens=0 if req.min_tokens is None else req.min_tokens,
             seed=req.seed,
             max_tokens=max_tokens,
             stop=stop,

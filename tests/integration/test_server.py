@@ -142,6 +142,14 @@ def test_penalties_and_logit_bias_reach_the_engine(client, offline):
         model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0, logit_bias={str(token): 100}
     )
     assert offline.tokenizer.encode(resp.choices[0].text) == [token] * 4
+    # min_tokens: a stop string the text starts with is looked for only from the 8th token on
+    stop = offline_text(offline, PROMPTS[1], temperature=0, max_tokens=4, ignore_eos=True)[:2]
+    early = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0, stop=[stop])
+    late = client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0, stop=[stop],
+        extra_body={"min_tokens": 8, "ignore_eos": True},
+    )
+    assert early.usage.completion_tokens < 8 <= late.usage.completion_tokens
 
 
 def test_echo_puts_the_prompt_before_the_text_and_rates_its_tokens(client, offline):
@@ -527,6 +535,7 @@ BAD = [
     ),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"x7": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"7": 300}}, 400, "logit_bias"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"49152": 1}}, 400, "logit_bias"),

@@ -1,4 +1,4 @@
-"""Penalties and logit bias through the engine (tiny random model, float32): greedy outputs equal a
+"""Penalties, logit bias and min_tokens through the engine (tiny random model, float32): greedy outputs equal a
 reference that penalises whole-sequence logits token by token, whatever the batching, chunking,
 preemption, prefix cache or speculation; rows without penalties are untouched by rows with them."""
 
@@ -86,3 +86,23 @@ def test_rows_without_penalties_are_untouched(make_tiny_llm, prompts, references
     mixed = tokens(make_tiny_llm(), prompts + prompts, [plain] * len(prompts) + [PENALISED[0]] * len(prompts))
     assert mixed[: len(prompts)] == alone
     assert mixed[len(prompts) :] == references[0]
+
+
+def test_min_tokens_holds_back_a_stop_token(make_tiny_llm, prompts) -> None:  # type: ignore[no-untyped-def]
+    """A stop token the greedy output reaches early is banned until min_tokens, then stops the output;
+    tokens equal a by-hand reference, with and without speculation."""
+    llm = make_tiny_llm()
+    plain = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, plain, use_tqdm=False)]
+    cases = [(prompt, out[1]) for prompt, out in zip(prompts, first)]  # each stops at its 2nd token by default
+    for opts in (dict(), dict(speculative_config=NGRAM)):
+        engine_llm = make_tiny_llm(**opts)
+        for prompt, stop in cases:
+            p = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop_token_ids=[stop], min_tokens=6)
+            got = engine_llm.generate(prompt, p, use_tqdm=False)[0].outputs[0]
+            want: list[int] = []
+            while len(want) < p.max_tokens and (not want or want[-1] != stop):
+                logits = teacher_forced_logits(llm.engine, prompt + want)[-1]
+                want.append(int(penalised_by_hand(logits, p, prompt, want, (stop,)).argmax()))
+            assert got.token_ids == want
+            assert len(want) >= 6 and stop not in want[:6]

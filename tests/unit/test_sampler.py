@@ -247,9 +247,14 @@ def test_all_greedy_bfloat16_batch_matches_float32():
 # ---- penalties and logit bias ---------------------------------------------------------------------------
 
 
-def penalised_by_hand(logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
-    """vLLM's penalties and OpenAI's bias, one token at a time: the independent reference."""
+def penalised_by_hand(
+    logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int], stop_ids: tuple[int, ...] = ()
+) -> torch.Tensor:
+    """vLLM's min_tokens, penalties and OpenAI's bias, one token at a time: the independent reference."""
     row = logits.clone()
+    if len(output) < p.min_tokens:
+        for t in stop_ids:
+            row[t] = float("-inf")
     for t, b in (p.logit_bias or {}).items():
         row[t] += b
     for t in set(prompt) | set(output):
@@ -330,9 +335,25 @@ def test_no_penalties_no_penalty_work():
     assert md.penalties is not None and md.penalties.repetition is None and md.penalties.subtract is None
 
 
+def test_min_tokens_bans_the_stop_ids_until_reached():
+    logits = torch.zeros(3, 6)
+    logits[:, 2] = 5.0  # the stop id is everyone's favourite
+    p = SamplingParams(temperature=0, min_tokens=2, max_tokens=4, frequency_penalty=0.1)
+    histories = [([1], (), (2, 4)), ([1], (3,), (2, 4)), ([1], (3, 3), (2, 4))]  # 0, 1, 2 output tokens
+    md = SamplingMetadata.from_params([p] * 3, {}, 6, CPU, histories)
+    assert md.penalties is not None
+    got = md.penalties.apply_(logits.clone())
+    for i, (prompt, output, stop) in enumerate(histories):
+        torch.testing.assert_close(got[i], penalised_by_hand(logits[i], p, prompt, list(output), stop))
+    assert got[:2, [2, 4]].isneginf().all() and got[2, 2] == 5.0
+    assert Sampler()(logits, md).token_ids.tolist() == [0, 0, 2]
+
+
 @pytest.mark.parametrize(
     "kw",
     [
+        dict(min_tokens=5, max_tokens=4),
+        dict(min_tokens=-1),
         dict(presence_penalty=2.5),
         dict(frequency_penalty=float("nan")),
         dict(frequency_penalty=True),
