@@ -15,6 +15,7 @@ or read from its cache), tables, and writes JSON (`--out`) naming the host (CPU,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -54,6 +55,11 @@ def run_pdserve(llm: LLM, reqs: list[SampleRequest]) -> dict:
         # one row per step: seconds, forward seconds, prompt tokens, decode tokens, sequences, context tokens
         "steps": [[round(s.duration, 5), round(s.forward_time, 5), s.num_prefill_tokens, s.num_decode_tokens,
                    s.num_seqs, s.num_context_tokens] for s in steps],
+        # what benchmarks/simulate.py replays: each request's prompt and output tokens, the cache's geometry
+        "workload": [[len(o.prompt_token_ids), len(o.outputs[0].token_ids)] for o in outs],
+        "scheduler": dataclasses.asdict(eng.scheduler.config),
+        "num_blocks": eng.block_manager.num_blocks,
+        "block_size": eng.block_manager.block_size,
     }
 
 

@@ -46,7 +46,7 @@ class StepRecord:
     num_prefill_tokens: int
     num_decode_tokens: int
     num_seqs: int
-    num_context_tokens: int  # sum of context lengths of the requests in the step
+    num_context_tokens: int  # sum over the step's requests of their computed tokens once it ran (its own included)
 
 
 class EngineLoop:

@@ -74,6 +74,9 @@ class FakeExecutor:
     draft: Callable[[list[int]], int] = model_token  # the proposer's guess of the next token
     clock: ManualClock | None = None
     step_time: Callable[[SchedulerOutput], float] | None = None  # seconds a step takes (with `clock`)
+    # Keep the slot model and check every step's reads and writes against it (O(context) per request per
+    # step in Python: the tests' mode). The simulator turns it off and scripts tokens with `sample`.
+    check_kv: bool = True
     slots: dict[int, tuple[int, ...]] = field(default_factory=dict)  # slot -> prefix whose K/V it holds
     host_slots: dict[int, tuple[int, ...]] = field(default_factory=dict)  # the same for the host tier
     released: list[str] = field(default_factory=list)  # req ids, in the order released
@@ -103,6 +106,8 @@ class FakeExecutor:
         bs = bm.block_size
         batch = out.to_batch()
         for s, br in zip(out.scheduled, batch.requests):
+            if not self.check_kv:
+                break
             truth = s.req.all_token_ids()
             for pos in range(br.start):  # the context attention reads
                 slot = br.block_ids[pos // bs] * bs + pos % bs
@@ -125,7 +130,7 @@ class FakeExecutor:
                 continue
             accepted = self._verify(s.req, br) if self.sample is None else [self.sample(s.req)]
             tokens.append(accepted)
-            drafts.append(self._propose(s.req.all_token_ids() + accepted))
+            drafts.append(self._propose(s.req.all_token_ids() + accepted) if self.num_spec_tokens else [])
         self.num_steps += 1
         duration = 0.0
         if self.clock is not None and self.step_time is not None:

@@ -17,7 +17,8 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[2] / "pdserve"
 # Top to bottom. A module may import modules on its own floor or below, never above. A module belongs to
 # the longest prefix listed here ("pdserve" alone is the package's facade, `pdserve/__init__.py`).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("pdserve", "pdserve.cli", "pdserve.bench"),  # entry points: the facade, the CLI, benchmark clients
+    # entry points: the facade, the CLI, benchmark clients, the simulator (it drives the engine loop)
+    ("pdserve", "pdserve.cli", "pdserve.bench", "pdserve.sim.simulator"),
     ("pdserve.router",),  # the disaggregation front: HTTP only, no engine
     ("pdserve.server",),  # the OpenAI HTTP front of one instance
     ("pdserve.engine", "pdserve.spec"),  # the engine loop, its builder, its own process; speculation around its executor
