@@ -15,6 +15,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pdserve.bench.metrics import RequestRecord
 from pdserve.config import SchedulerConfig
 from pdserve.engine.loop import EngineLoop
 from pdserve.kv.block_manager import BlockManager
@@ -57,6 +58,7 @@ class SimRequestResult:
     first_token: float  # seconds, simulated clock
     finished: float
     output_len: int
+    token_times: list[float]  # when each step that gave it tokens ended (one entry per step)
 
     @property
     def ttft(self) -> float:
@@ -78,6 +80,17 @@ class SimResult:
     @property
     def requests_per_s(self) -> float:
         return len(self.requests) / self.elapsed if self.elapsed > 0 else math.inf
+
+    def records(self, prompt_lens: Sequence[int]) -> list[RequestRecord]:
+        """The requests as the benchmark client records them (sent at arrival, one "chunk" per step that
+        gave tokens), so `pdserve.bench.metrics` computes TTFT, TPOT, ITL and goodput as for a real run."""
+        return [
+            RequestRecord(
+                i, prompt_lens[i], r.output_len, r.arrival, send_time=r.arrival, token_times=list(r.token_times),
+                end_time=r.finished, output_len=r.output_len, usage_reported=True, success=True,
+            )
+            for i, r in enumerate(self.requests)
+        ]
 
 
 def fit_step_model(steps: Sequence[StepSample]) -> StepTimeModel:
@@ -114,7 +127,7 @@ def simulate(workload: Sequence[SimRequest], model: StepTimeModel, config: SimCo
     loop = EngineLoop(scheduler, executor, vocab_size=vocab, max_model_len=sched_cfg.max_model_len)
     order = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
     ids: dict[str, int] = {}
-    first: dict[int, float] = {}
+    times: dict[int, list[float]] = {i: [] for i in range(len(workload))}
     done: dict[int, float] = {}
     steps: list[StepSample] = []
     nxt = 0
@@ -142,13 +155,13 @@ def simulate(workload: Sequence[SimRequest], model: StepTimeModel, config: SimCo
         steps.append(StepSample(rec.duration, rec.num_prefill_tokens, rec.num_decode_tokens, rec.num_context_tokens))
         for o in outputs:
             i = ids[o.request_id]
-            if o.outputs[0].token_ids and i not in first:
-                first[i] = clock.now
+            if o.outputs[0].new_token_ids:
+                times[i].append(clock.now)
             if o.finished:
                 if o.error is not None:
                     raise RuntimeError(f"simulated request {i} failed: {o.error}")
                 done[i] = clock.now
     results = [
-        SimRequestResult(workload[i].arrival, first[i], done[i], workload[i].output_len) for i in range(len(workload))
+        SimRequestResult(w.arrival, times[i][0], done[i], w.output_len, times[i]) for i, w in enumerate(workload)
     ]
     return SimResult(clock.now - start, steps, results, scheduler.num_preemptions)

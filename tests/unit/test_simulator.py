@@ -76,3 +76,40 @@ def test_a_small_cache_preempts_and_still_finishes() -> None:
 def test_a_workload_the_cache_can_never_hold_is_an_error() -> None:
     with pytest.raises(RuntimeError, match="no progress"):
         simulate([SimRequest(500, 4)], StepTimeModel(prior=TRUE), SimConfig(SchedulerConfig(), 8, 16))
+
+
+# ---- planner ----------------------------------------------------------------------------------------------
+
+
+def test_poisson_arrivals_are_ordered_seeded_and_at_the_rate() -> None:
+    from pdserve.sim.planner import poisson_arrivals
+
+    lengths = [(10, 5)] * 2000
+    a = poisson_arrivals(lengths, 4.0, seed=1)
+    assert a == poisson_arrivals(lengths, 4.0, seed=1) and a != poisson_arrivals(lengths, 4.0, seed=2)
+    times = [r.arrival for r in a]
+    assert times == sorted(times) and times[0] == 0.0
+    assert (len(times) - 1) / times[-1] == pytest.approx(4.0, rel=0.1)
+    assert all(r.arrival == 0.0 for r in poisson_arrivals(lengths[:5], float("inf")))
+
+
+def test_the_planner_ranks_by_goodput_and_judges_like_the_benchmark() -> None:
+    from pdserve.bench.metrics import SLO
+    from pdserve.sim.planner import plan, poisson_arrivals
+
+    rng = random.Random(4)
+    lengths = [(rng.randint(20, 400), rng.randint(5, 150)) for _ in range(80)]
+    workload = poisson_arrivals(lengths, 6.0, seed=0)
+    model = StepTimeModel(prior=TRUE)
+    slo = SLO(ttft_ms=1500, tpot_ms=60)
+    rows = plan(workload, model, SimConfig(SchedulerConfig(), 4096, 16), budgets=[64, 2048], max_seqs=[4, 64], slo=slo)
+    assert len(rows) == 4
+    goodputs = [r.metrics.goodput for r in rows]
+    assert goodputs == sorted(goodputs, reverse=True) and goodputs[0] > goodputs[-1]
+    assert (rows[-1].max_num_seqs, rows[0].max_num_seqs) == (4, 64)  # 4 sequences at a time queue up
+    for r in rows:  # each row's goodput is the requests meeting both targets, over the run's time
+        cfg = SchedulerConfig(max_num_batched_tokens=r.max_num_batched_tokens, max_num_seqs=r.max_num_seqs)
+        res = simulate(workload, model, SimConfig(cfg, 4096, 16))
+        good = [q for q in res.requests if q.ttft * 1e3 <= 1500 and (q.output_len < 2 or q.tpot * 1e3 <= 60)]
+        assert r.metrics.num_good == len(good)
+        assert r.metrics.goodput == pytest.approx(len(good) / res.elapsed)
