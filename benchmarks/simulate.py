@@ -46,14 +46,25 @@ def load(path: str) -> dict:
     return run
 
 
-def samples(run: dict) -> list[StepSample]:
-    # rows: seconds, forward seconds, prompt tokens, decode tokens, sequences, context tokens
-    return [StepSample(r[0], r[2], r[3], r[5]) for r in run["steps"]]
+def samples(path: str) -> list[StepSample]:
+    """A recorded run's steps, or a served run's (`pdserve serve --step-log`: a .jsonl file of rows).
+    Rows: seconds, forward seconds, prompt tokens, decode tokens, sequences, context tokens."""
+    if path.endswith(".jsonl"):
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    else:
+        rows = load(path)["steps"]
+    return [StepSample(r[0], r[2], r[3], r[5]) for r in rows]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--calibrate", required=True, help="recorded runs whose steps fit the model (comma-separated)")
+    ap.add_argument("--calibrate", required=True,
+                    help="recorded runs (offline_throughput.py JSON, or `pdserve serve --step-log` .jsonl) whose steps "
+                         "fit the model, comma-separated")
+    ap.add_argument("--workload-from", default=None,
+                    help="a recorded offline run whose workload, settings and cache --plan and --replay-bench use "
+                         "(default: the first --calibrate run)")
     ap.add_argument("--predict", default=None, help="recorded runs to replay and compare (comma-separated)")
     ap.add_argument("--plan", action="store_true", help="rank scheduler settings for --rate and --slo")
     ap.add_argument("--rate", type=float, default=float("inf"), help="requests per second (Poisson) for --plan")
@@ -69,7 +80,7 @@ def main() -> None:
     if not (args.predict or args.plan or args.replay_bench):
         ap.error("give --predict runs, --plan or --replay-bench")
 
-    steps = [s for path in args.calibrate.split(",") for s in samples(load(path))]
+    steps = [s for path in args.calibrate.split(",") for s in samples(path)]
     model = fit_step_model(steps)
     coef = ", ".join(f"{t} {c * 1e3:.4g} ms" for t, c in zip(TERMS, model.coefficients))
     print(f"step-time model from {len(steps)} steps of {args.calibrate}: {coef}")
@@ -101,8 +112,12 @@ def scheduler_of(run: dict) -> SchedulerConfig:
     return SchedulerConfig(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in run["scheduler"].items()})
 
 
+def reference_run(args: argparse.Namespace) -> dict:
+    return load(args.workload_from or args.calibrate.split(",")[0])
+
+
 def replay_bench(args: argparse.Namespace, model: StepTimeModel) -> dict:
-    run = load(args.calibrate.split(",")[0])
+    run = reference_run(args)
     with open(args.replay_bench) as f:
         recorded = [RequestRecord(**{**r, "slo": None}) for r in json.load(f)["records"]]
     recorded = [r for r in recorded if r.success]
@@ -129,7 +144,7 @@ def replay_bench(args: argparse.Namespace, model: StepTimeModel) -> dict:
 
 
 def plan_table(args: argparse.Namespace, model: StepTimeModel) -> list[dict]:
-    run = load(args.calibrate.split(",")[0])
+    run = reference_run(args)
     sched = scheduler_of(run)
     workload = poisson_arrivals([(p, o) for p, o in run["workload"]], args.rate, args.seed)
     slo = parse_slo(args.slo) if args.slo else None

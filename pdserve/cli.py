@@ -286,6 +286,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         stats_interval_s=args.stats_interval,
         access_log=args.access_log,
         log_level="INFO" if args.log_level.upper() == "WARNING" else args.log_level.upper(),
+        step_log=args.step_log,
         random_model=random_model,
         restart_engine=not args.no_engine_restart,
         heartbeat_timeout_s=args.heartbeat_timeout,
@@ -405,6 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
     arg(p, "--max-waiting", ServerConfig, "max_waiting",
         help="most requests that may wait for their first token; more get HTTP 503")
     arg(p, "--stats-interval", ServerConfig, "stats_interval_s", help="seconds between stats log lines (0: off)")
+    arg(p, "--step-log", ServerConfig, "step_log",
+        help="append a JSON row per engine step to this file (what benchmarks/simulate.py calibrates on)")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.add_argument("--no-engine-restart", action="store_true",
                    help="do not restart the engine core process when it dies (the server stays unhealthy)")

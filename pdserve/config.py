@@ -398,6 +398,10 @@ class ServerConfig:
     shutdown_timeout_s: float = 5.0  # how long open streams may run on after SIGINT/SIGTERM
     access_log: bool = False
     log_level: str = "info"  # of the engine core process's own log lines
+    # Append one JSON row per engine step to this file: seconds, forward seconds, prompt tokens, decode
+    # tokens, sequences, context tokens (the offline benchmark's `steps` rows): a served run's own step
+    # times, for `benchmarks/simulate.py --calibrate`. None: not written.
+    step_log: str | None = None
     random_model: RandomModelSpec | None = None
     # Supervision of the engine core process: restart it when it dies, after restart_backoff_s doubled for
     # every other death within restart_window_s (at most restart_backoff_max_s); /health is unhealthy

@@ -34,8 +34,13 @@ from tests.support.server import (
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess(tiny_server_args("--stats-interval", "1"), env=quiet_env()).start()
+def step_log(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("steps") / "steps.jsonl")
+
+
+@pytest.fixture(scope="module")
+def server(step_log):
+    srv = ServerProcess(tiny_server_args("--stats-interval", "1", "--step-log", step_log), env=quiet_env()).start()
     try:
         yield srv  # the offline fixture loads while the server starts; tests wait in `url`
     finally:
@@ -101,6 +106,17 @@ def test_completion_greedy_equals_offline(client, offline):
         assert resp.usage.prompt_tokens == len(expected.prompt_token_ids)
         assert resp.usage.completion_tokens == len(expected.outputs[0].token_ids)
         assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+
+def test_the_step_log_has_a_row_per_step(client, url, step_log):
+    """`--step-log`: rows as the offline benchmark's `steps` (what benchmarks/simulate.py calibrates on)."""
+    client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    wait_for(lambda: _health(url)["num_requests_in_flight"] == 0)
+    rows = wait_for(lambda: [json.loads(line) for line in open(step_log)] or None)  # flushed when idle
+    assert rows and all(len(r) == 6 and r[0] > 0 and r[2] + r[3] > 0 for r in rows)
+    assert sum(r[3] for r in rows) >= 5  # this request's decodes, at least
+    prompt_rows = [r for r in rows if r[2] > 0]
+    assert prompt_rows and all(r[5] >= r[2] for r in prompt_rows)  # context includes the step's own tokens
 
 
 def test_completion_token_id_prompts_and_several_prompts(client, offline):

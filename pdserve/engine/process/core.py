@@ -14,6 +14,7 @@ is ignored here: Ctrl-C reaches the whole process group, and the front coordinat
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -81,7 +82,7 @@ def run_engine_core(
     engine = build_engine(config, tokenizer)
     if config.cluster_secret is not None and engine.connector is not None:  # every KV message is MACed
         engine.connector.transport.authenticate_with(config.cluster_secret.encode())
-    core = EngineCore(engine, addresses, parent_pid)
+    core = EngineCore(engine, addresses, parent_pid, config.step_log)
     try:
         core.run()
     finally:
@@ -113,8 +114,11 @@ def _kv_spec(p: KVTransferParams | None) -> RemoteDecode | RemotePrefill | None:
 
 
 class EngineCore:
-    def __init__(self, engine: LLMEngine, addresses: CoreAddresses, parent_pid: int) -> None:
+    def __init__(
+        self, engine: LLMEngine, addresses: CoreAddresses, parent_pid: int, step_log: str | None = None
+    ) -> None:
         self.engine = engine
+        self._step_log = open(step_log, "a", encoding="utf-8") if step_log else None  # noqa: SIM115 - closed in close()
         self.parent_pid = parent_pid
         self._ctx = zmq.Context()
         self._input = self._ctx.socket(zmq.PULL)
@@ -168,6 +172,8 @@ class EngineCore:
         """One step (if there is work) and its outputs; returns how long the next receive may wait."""
         engine = self.engine
         if not engine.has_unfinished_requests():
+            if self._step_log is not None:
+                self._step_log.flush()
             if changed or self._pending or self._heartbeat_due():
                 self._send_outputs([], None)
             return _IDLE_POLL_MS
@@ -184,6 +190,11 @@ class EngineCore:
             if ran
             else None
         )
+        if ran and self._step_log is not None:
+            assert record is not None
+            row = [round(record.duration, 6), round(record.forward_time, 6), record.num_prefill_tokens,
+                   record.num_decode_tokens, record.num_seqs, record.num_context_tokens]
+            self._step_log.write(json.dumps(row) + "\n")
         for req_id, skip in engine.take_kv_reservations():  # the front answers the router with these
             self._pending.append(RequestDelta(req_id, [], "", kv_skip_tokens=skip))
         if ran or outputs or changed or self._pending or self._heartbeat_due():
@@ -204,6 +215,8 @@ class EngineCore:
         self._send_outputs([], None)
 
     def close(self) -> None:
+        if self._step_log is not None:
+            self._step_log.close()
         self.engine.close()
         self._input.close(linger=0)
         self._output.close()
