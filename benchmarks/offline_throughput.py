@@ -59,6 +59,8 @@ def run_pdserve(llm: LLM, reqs: list[SampleRequest]) -> dict:
         "workload": [[len(o.prompt_token_ids), len(o.outputs[0].token_ids)] for o in outs],
         "scheduler": dataclasses.asdict(eng.scheduler.config),
         "num_blocks": eng.block_manager.num_blocks,
+        "kv_bytes_per_token": eng.kv_cache.layout.bytes_per_token,
+        "num_layers": eng.kv_cache.layout.num_layers,
         "block_size": eng.block_manager.block_size,
     }
 

@@ -9,6 +9,8 @@ through the real scheduler on simulated time, and compare with what those runs m
         [--budgets 256,512,1024,2048] [--max-seqs 16,32,64,128,256]
     .venv/bin/python benchmarks/simulate.py --calibrate results/A.json --replay-bench results/bench.json \
         --max-num-seqs 16 --max-num-batched-tokens 2048 --slo ttft=2000,tpot=100
+    .venv/bin/python benchmarks/simulate.py --calibrate results/A.json --plan-split 4 --rate 12 \
+        --slo ttft=1000,tpot=50 [--link-gbps 10] [--link-latency-ms 0.5]
 
 Each recorded run (`offline_throughput.py`'s JSON) carries its steps (seconds and shape), its workload
 (each request's prompt and output tokens), its scheduler settings and its cache's geometry, so a
@@ -18,6 +20,11 @@ per run: measured and simulated seconds and steps, the error, and the fitted coe
 `--replay-bench` replays a serving run that `pdserve bench --out` recorded (each request's lengths and
 arrival time) under the scheduler settings given (those of the server it measured), and prints its
 latencies and goodput beside the simulated ones.
+
+`--plan-split N` compares N colocated instances with every prefill / decode split of N (xPyD,
+`pdserve.sim.cluster`; the KV of each prompt crossing a link of `--link-gbps`, sent layer by layer while
+the prompt computes, as pdserve's connector does), each instance with the calibration run's settings and
+step-time model, the workload arriving at `--rate`.
 
 `--plan` replays the calibration run's workload arriving as a Poisson process (`--rate`, seeded) under
 every token budget x most-sequences candidate (`pdserve.sim.planner`), and ranks them by goodput under
@@ -33,7 +40,8 @@ import json
 from pdserve.bench.metrics import RequestRecord, compute_metrics, parse_slo
 from pdserve.config import SchedulerConfig
 from pdserve.scheduler.step_model import TERMS, StepTimeModel
-from pdserve.sim.planner import plan, poisson_arrivals
+from pdserve.sim.cluster import LinkModel
+from pdserve.sim.planner import plan, plan_split, poisson_arrivals
 from pdserve.sim.simulator import SimConfig, SimRequest, StepSample, fit_step_model, simulate
 
 
@@ -71,14 +79,17 @@ def main() -> None:
     ap.add_argument("--slo", default=None, help="ttft=MS,tpot=MS,itl=MS for --plan")
     ap.add_argument("--budgets", default="256,512,1024,2048", help="token budgets per step for --plan")
     ap.add_argument("--max-seqs", default="16,32,64,128,256", help="most sequences per step for --plan")
+    ap.add_argument("--plan-split", type=int, default=0, help="N: N colocated instances against every xPyD split")
+    ap.add_argument("--link-gbps", type=float, default=10.0, help="KV link bandwidth for --plan-split (GB/s)")
+    ap.add_argument("--link-latency-ms", type=float, default=0.5, help="KV link latency for --plan-split")
     ap.add_argument("--replay-bench", default=None, help="a `pdserve bench --out` JSON to replay and compare")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="for --replay-bench (default: the calibration run's)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="for --replay-bench (likewise)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results/simulate.json")
     args = ap.parse_args()
-    if not (args.predict or args.plan or args.replay_bench):
-        ap.error("give --predict runs, --plan or --replay-bench")
+    if not (args.predict or args.plan or args.replay_bench or args.plan_split):
+        ap.error("give --predict runs, --plan, --plan-split or --replay-bench")
 
     steps = [s for path in args.calibrate.split(",") for s in samples(path)]
     model = fit_step_model(steps)
@@ -102,9 +113,10 @@ def main() -> None:
         print(f"{path:40s} {measured:10.1f} {sim.elapsed:11.1f} {err:+7.1%} {len(run['steps']):6d} {len(sim.steps):9d}")
     replayed = replay_bench(args, model) if args.replay_bench else None
     planned = plan_table(args, model) if args.plan else None
+    split = split_table(args, model) if args.plan_split else None
     with open(args.out, "w") as f:
         json.dump({"calibrate": args.calibrate, "coefficients": dict(zip(TERMS, model.coefficients)), "runs": rows,
-                   "replay": replayed, "plan": planned}, f, indent=1)
+                   "replay": replayed, "plan": planned, "split": split}, f, indent=1)
     print(f"wrote {args.out}")
 
 
@@ -164,6 +176,30 @@ def plan_table(args: argparse.Namespace, model: StepTimeModel) -> list[dict]:
                     "goodput": m.goodput, "requests_per_s": m.request_throughput, "ttft_ms": dataclasses.asdict(m.ttft),
                     "tpot_ms": dataclasses.asdict(m.tpot), "itl_ms": dataclasses.asdict(m.itl),
                     "preemptions": r.num_preemptions})
+    return out
+
+
+def split_table(args: argparse.Namespace, model: StepTimeModel) -> list[dict]:
+    run = reference_run(args)
+    if "kv_bytes_per_token" not in run:
+        raise SystemExit("the reference run has no kv_bytes_per_token: record it with the current offline_throughput.py")
+    link = LinkModel(run["kv_bytes_per_token"], args.link_gbps * 1e9, args.link_latency_ms / 1e3, run["num_layers"])
+    workload = poisson_arrivals([(p, o) for p, o in run["workload"]], args.rate, args.seed)
+    slo = parse_slo(args.slo) if args.slo else None
+    rows = plan_split(workload, model, SimConfig(scheduler_of(run), run["num_blocks"], run["block_size"]),
+                      num_instances=args.plan_split, link=link, slo=slo)
+    print(f"\nsplit: {len(workload)} requests at {args.rate} req/s over {args.plan_split} instances, SLO {args.slo}, "
+          f"KV {run['kv_bytes_per_token']} B/token over {args.link_gbps} GB/s, best first")
+    print(f"{'cluster':>12s} {'goodput':>8s} {'req/s':>6s} {'TTFT p50':>9s} {'p99':>8s} {'TPOT p50':>9s} {'p99':>7s} "
+          f"{'ITL p99':>8s} {'preempt':>7s}")
+    out = []
+    for r in rows:
+        m = r.metrics
+        print(f"{r.name:>12s} {m.goodput or 0:8.2f} {m.request_throughput:6.2f} {m.ttft.median:9.0f} {m.ttft.p99:8.0f} "
+              f"{m.tpot.median:9.1f} {m.tpot.p99:7.1f} {m.itl.p99:8.1f} {r.num_preemptions:7d}")
+        out.append({"cluster": r.name, "goodput": m.goodput, "requests_per_s": m.request_throughput,
+                    "ttft_ms": dataclasses.asdict(m.ttft), "tpot_ms": dataclasses.asdict(m.tpot),
+                    "itl_ms": dataclasses.asdict(m.itl), "preemptions": r.num_preemptions})
     return out
 
 

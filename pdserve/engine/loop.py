@@ -33,7 +33,8 @@ from pdserve.request import FinishReason, Request, SamplingParams
 from pdserve.scheduler.scheduler import Scheduler, SchedulerOutput
 
 if TYPE_CHECKING:
-    from pdserve.transfer.connector import KVConnector, RemoteDecode, RemotePrefill
+    from pdserve.transfer.connector import KVConnector
+    from pdserve.transfer.types import RemoteDecode, RemotePrefill
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ class EngineLoop:
     def _check_transfer(self, kv_transfer: RemoteDecode | RemotePrefill | None) -> None:
         if kv_transfer is None:
             return
-        from pdserve.transfer.connector import RemoteDecode, RemotePrefill
+        from pdserve.transfer.types import RemoteDecode, RemotePrefill
 
         if self.connector is None:
             raise InvalidRequestError("this instance has no KV transfer backend (start it with one)")
@@ -146,8 +147,7 @@ class EngineLoop:
             raise InvalidRequestError("a prefill instance does not decode prompts computed elsewhere")
 
     def _start_transfer(self, req: Request, kv_transfer: RemoteDecode | RemotePrefill) -> None:
-        from pdserve.transfer.connector import RemoteDecode
-        from pdserve.transfer.base import TransferError
+        from pdserve.transfer.types import RemoteDecode, TransferError
 
         if isinstance(kv_transfer, RemoteDecode):
             req.remote_decode = True
@@ -304,7 +304,7 @@ class EngineLoop:
     def _poll_transfers(self) -> list[RequestOutput]:
         """Apply the transport's news: finished sends free their blocks, complete receives start decoding,
         failures fail their request; then reserve blocks for new remote-prefill requests."""
-        from pdserve.transfer.base import TransferError
+        from pdserve.transfer.types import TransferError
 
         connector = self.connector
         assert connector is not None

@@ -5,8 +5,12 @@
 
 Each candidate (token budget per step x most sequences per step) runs the same workload (arrival times
 included) through `simulate`, and is judged by `pdserve.bench.metrics` exactly as a real serving run
-is (`pdserve bench serve --slo ...`). Colocated instances only, for now: a prefill / decode split (xPyD)
-needs the KV transfer in the simulation.
+is (`pdserve bench serve --slo ...`).
+
+    rows = plan_split(workload, model, base, num_instances=4, link=LinkModel(...), slo=SLO(2000, 100))
+
+compares N colocated instances with every prefill / decode split of the same N (1P3D, 2P2D, 3P1D), each
+instance with `base`'s settings, the KV crossing `link` (`pdserve.sim.cluster`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 
 from pdserve.bench.metrics import SLO, BenchMetrics, compute_metrics
 from pdserve.scheduler.step_model import StepTimeModel
+from pdserve.sim.cluster import ClusterConfig, LinkModel, simulate_cluster
 from pdserve.sim.simulator import SimConfig, SimRequest, simulate
 
 
@@ -61,4 +66,35 @@ def plan(
             res = simulate(workload, model, dataclasses.replace(base, scheduler=sched))
             metrics = compute_metrics(res.records(prompt_lens), res.elapsed, slo)
             rows.append(PlanRow(budget, seqs, metrics, res.num_preemptions))
+    return sorted(rows, key=lambda r: (-(r.metrics.goodput or 0.0), -r.metrics.request_throughput))
+
+
+@dataclass(frozen=True, slots=True)
+class SplitRow:
+    name: str  # "4 colocated", "1P3D", ...
+    num_prefill: int
+    num_decode: int
+    metrics: BenchMetrics
+    num_preemptions: int
+
+
+def plan_split(
+    workload: Sequence[SimRequest],
+    model: StepTimeModel,
+    base: SimConfig,
+    *,
+    num_instances: int,
+    link: LinkModel,
+    slo: SLO | None = None,
+) -> list[SplitRow]:
+    """`num_instances` colocated against every xPyD split of them, best first (goodput under `slo`, then
+    requests per second)."""
+    prompt_lens = [r.prompt_len for r in workload]
+    configs = [ClusterConfig(num_instances, 0, base)]
+    configs += [ClusterConfig(p, num_instances - p, base, base, link) for p in range(1, num_instances)]
+    rows = []
+    for cfg in configs:
+        res = simulate_cluster(workload, model, cfg)
+        metrics = compute_metrics(res.records(prompt_lens), res.elapsed, slo)
+        rows.append(SplitRow(cfg.name, cfg.num_prefill, cfg.num_decode, metrics, res.num_preemptions))
     return sorted(rows, key=lambda r: (-(r.metrics.goodput or 0.0), -r.metrics.request_throughput))

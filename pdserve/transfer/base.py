@@ -32,7 +32,10 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kv.cache import KVLayout
+from pdserve.transfer.types import KVDone, TransferError
 from pdserve.transfer.wire import DroppedMessages
+
+__all__ = ["KVDone", "TransferError"]  # (defined in types: torch-free; re-exported with the rest of the API)
 
 __all__ = [
     "KVAck", "KVChunk", "KVDone", "KVFailed", "KVLayout", "KVLayoutMismatch", "KVTransport", "TransferError",
@@ -56,15 +59,6 @@ class KVChunk:
 
 
 @dataclass(slots=True)
-class KVDone:
-    """The prefill side computed the whole prompt and sampled the first token; no chunk follows."""
-
-    transfer_id: str
-    first_token: int
-    logprobs: dict[int, float] | None
-
-
-@dataclass(slots=True)
 class KVFailed:
     """A transfer broke on arrival (bad checksum, malformed frame, buffer gone): fail it."""
 
@@ -77,10 +71,6 @@ class KVAck:
     transfer_id: str
     ok: bool
     error: str | None = None
-
-
-class TransferError(Exception):
-    """A transport cannot start or continue a transfer (peer unknown, buffer gone, bad frame)."""
 
 
 class KVLayoutMismatch(TransferError):

@@ -28,24 +28,11 @@ import torch
 from pdserve.kv.cache import KVCache
 from pdserve.request import Request
 from pdserve.transfer.base import KVChunk, KVDone, KVFailed, KVTransport, TransferError, TransferState
+from pdserve.transfer.types import RemoteDecode, RemotePrefill, TransferEvents
+
+__all__ = ["KVConnector", "RemoteDecode", "RemotePrefill", "TransferEvents", "TransferRecord"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class RemoteDecode:
-    """On a prefill instance: compute the prompt and the first token, send the KV to `address`."""
-
-    transfer_id: str
-    address: str
-    skip_tokens: int = 0  # leading prompt tokens the decode side already holds
-
-
-@dataclass(frozen=True, slots=True)
-class RemotePrefill:
-    """On a decode instance: reserve blocks, receive the prompt's KV and first token, then decode."""
-
-    transfer_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,15 +73,6 @@ class _Receive:
     done: KVDone | None = None
     num_bytes: int = 0
     slots: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class TransferEvents:
-    """What one `poll()` found, for the engine to apply."""
-
-    sent: list[tuple[Request, bool, str | None]] = field(default_factory=list)  # (req, ok, error)
-    received: list[tuple[Request, KVDone]] = field(default_factory=list)
-    failed_receives: list[tuple[Request, str]] = field(default_factory=list)
 
 
 class KVConnector:
