@@ -22,7 +22,7 @@ arrival time) under the scheduler settings given (those of the server it measure
 latencies and goodput beside the simulated ones.
 
 `--plan-split N` compares N colocated instances with every prefill / decode split of N (xPyD,
-`pdserve.sim.cluster`; the KV of each prompt crossing a link of `--link-gbps`, sent layer by layer while
+`pdserve.sim.simulator.simulate_cluster`; the KV of each prompt crossing a link of `--link-gbps`, sent layer by layer while
 the prompt computes, as pdserve's connector does), each instance with the calibration run's settings and
 step-time model, the workload arriving at `--rate`.
 
@@ -37,12 +37,11 @@ import argparse
 import dataclasses
 import json
 
-from pdserve.bench.metrics import RequestRecord, compute_metrics, parse_slo
+from pdserve.bench.metrics import BenchMetrics, RequestRecord, compute_metrics, parse_slo
 from pdserve.config import SchedulerConfig
 from pdserve.scheduler.step_model import TERMS, StepTimeModel
-from pdserve.sim.cluster import LinkModel
 from pdserve.sim.planner import plan, plan_split, poisson_arrivals
-from pdserve.sim.simulator import SimConfig, SimRequest, StepSample, fit_step_model, simulate
+from pdserve.sim.simulator import LinkModel, SimConfig, SimRequest, StepSample, fit_step_model, simulate
 
 
 def load(path: str) -> dict:
@@ -164,19 +163,27 @@ def plan_table(args: argparse.Namespace, model: StepTimeModel) -> list[dict]:
                 budgets=[int(b) for b in args.budgets.split(",")], max_seqs=[int(m) for m in args.max_seqs.split(",")],
                 slo=slo)
     print(f"\nplan: {len(workload)} requests at {args.rate} req/s, SLO {args.slo}, best first")
-    print(f"{'budget':>6s} {'seqs':>5s} {'goodput':>8s} {'req/s':>6s} {'TTFT p50':>9s} {'p99':>8s} "
-          f"{'TPOT p50':>9s} {'p99':>7s} {'ITL p99':>8s} {'preempt':>7s}")
+    print(f"{'budget':>6s} {'seqs':>5s} {HEADER}")
     out = []
     for r in rows:
-        m = r.metrics
-        print(f"{r.max_num_batched_tokens:6d} {r.max_num_seqs:5d} {m.goodput or 0:8.2f} {m.request_throughput:6.2f} "
-              f"{m.ttft.median:9.0f} {m.ttft.p99:8.0f} {m.tpot.median:9.1f} {m.tpot.p99:7.1f} {m.itl.p99:8.1f} "
-              f"{r.num_preemptions:7d}")
+        print(f"{r.max_num_batched_tokens:6d} {r.max_num_seqs:5d} {columns(r.metrics, r.num_preemptions)}")
         out.append({"max_num_batched_tokens": r.max_num_batched_tokens, "max_num_seqs": r.max_num_seqs,
-                    "goodput": m.goodput, "requests_per_s": m.request_throughput, "ttft_ms": dataclasses.asdict(m.ttft),
-                    "tpot_ms": dataclasses.asdict(m.tpot), "itl_ms": dataclasses.asdict(m.itl),
-                    "preemptions": r.num_preemptions})
+                    **summary(r.metrics, r.num_preemptions)})
     return out
+
+
+HEADER = f"{'goodput':>8s} {'req/s':>6s} {'TTFT p50':>9s} {'p99':>8s} {'TPOT p50':>9s} {'p99':>7s} {'ITL p99':>8s} {'preempt':>7s}"
+
+
+def columns(m: BenchMetrics, preemptions: int) -> str:
+    """One row of a plan's table, under HEADER."""
+    return (f"{m.goodput or 0:8.2f} {m.request_throughput:6.2f} {m.ttft.median:9.0f} {m.ttft.p99:8.0f} "
+            f"{m.tpot.median:9.1f} {m.tpot.p99:7.1f} {m.itl.p99:8.1f} {preemptions:7d}")
+
+
+def summary(m: BenchMetrics, preemptions: int) -> dict:
+    return {"goodput": m.goodput, "requests_per_s": m.request_throughput, "ttft_ms": dataclasses.asdict(m.ttft),
+            "tpot_ms": dataclasses.asdict(m.tpot), "itl_ms": dataclasses.asdict(m.itl), "preemptions": preemptions}
 
 
 def split_table(args: argparse.Namespace, model: StepTimeModel) -> list[dict]:
@@ -190,16 +197,11 @@ def split_table(args: argparse.Namespace, model: StepTimeModel) -> list[dict]:
                       num_instances=args.plan_split, link=link, slo=slo)
     print(f"\nsplit: {len(workload)} requests at {args.rate} req/s over {args.plan_split} instances, SLO {args.slo}, "
           f"KV {run['kv_bytes_per_token']} B/token over {args.link_gbps} GB/s, best first")
-    print(f"{'cluster':>12s} {'goodput':>8s} {'req/s':>6s} {'TTFT p50':>9s} {'p99':>8s} {'TPOT p50':>9s} {'p99':>7s} "
-          f"{'ITL p99':>8s} {'preempt':>7s}")
+    print(f"{'cluster':>12s} {HEADER}")
     out = []
     for r in rows:
-        m = r.metrics
-        print(f"{r.name:>12s} {m.goodput or 0:8.2f} {m.request_throughput:6.2f} {m.ttft.median:9.0f} {m.ttft.p99:8.0f} "
-              f"{m.tpot.median:9.1f} {m.tpot.p99:7.1f} {m.itl.p99:8.1f} {r.num_preemptions:7d}")
-        out.append({"cluster": r.name, "goodput": m.goodput, "requests_per_s": m.request_throughput,
-                    "ttft_ms": dataclasses.asdict(m.ttft), "tpot_ms": dataclasses.asdict(m.tpot),
-                    "itl_ms": dataclasses.asdict(m.itl), "preemptions": r.num_preemptions})
+        print(f"{r.name:>12s} {columns(r.metrics, r.num_preemptions)}")
+        out.append({"cluster": r.name, **summary(r.metrics, r.num_preemptions)})
     return out
 
 

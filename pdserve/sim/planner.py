@@ -10,7 +10,7 @@ is (`pdserve bench serve --slo ...`).
     rows = plan_split(workload, model, base, num_instances=4, link=LinkModel(...), slo=SLO(2000, 100))
 
 compares N colocated instances with every prefill / decode split of the same N (1P3D, 2P2D, 3P1D), each
-instance with `base`'s settings, the KV crossing `link` (`pdserve.sim.cluster`).
+instance with `base`'s settings, the KV crossing `link` (`pdserve.sim.simulator.simulate_cluster`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ from dataclasses import dataclass
 
 from pdserve.bench.metrics import SLO, BenchMetrics, compute_metrics
 from pdserve.scheduler.step_model import StepTimeModel
-from pdserve.sim.cluster import ClusterConfig, LinkModel, simulate_cluster
-from pdserve.sim.simulator import SimConfig, SimRequest, simulate
+from pdserve.sim.simulator import ClusterConfig, LinkModel, SimConfig, SimRequest, simulate, simulate_cluster
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,7 @@
 """The transfer layer's torch-free types: what a request asks of a KV transfer, how the prefill side's last
 word looks, what one poll finds, how a transfer fails. The engine loop and the simulator's transfers
-(`pdserve.sim.cluster`) use them without importing torch; `base` and `connector` re-export them."""
+(`pdserve.sim.simulator.simulate_cluster`) use them without importing torch; `base` and `connector`
+re-export them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Simulated clusters (`pdserve.sim.cluster`): colocated instances behind a router and xPyD with the KV
+"""Simulated clusters (`pdserve.sim.simulator.simulate_cluster`): colocated instances behind a router and xPyD with the KV
 crossing a modelled link, on the real engine loop and scheduler (torch-free)."""
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ import pytest
 
 from pdserve.config import SchedulerConfig
 from pdserve.scheduler.step_model import StepTimeModel
-from pdserve.sim.cluster import ClusterConfig, LinkModel, simulate_cluster
-from pdserve.sim.simulator import SimConfig, SimRequest, simulate
+from pdserve.sim.simulator import ClusterConfig, LinkModel, SimConfig, SimRequest, simulate, simulate_cluster
 
 MODEL = StepTimeModel(prior=(0.005, 0.0003, 0.0004, 0.000002))
 BASE = SimConfig(SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=64), 2048, 16)
@@ -32,7 +31,7 @@ def prefill_seconds(prompt_len: int) -> float:
 
 
 def test_the_cluster_simulator_imports_no_torch() -> None:
-    code = "import sys, pdserve.sim.cluster; assert not [m for m in sys.modules if m.split('.')[0] == 'torch']"
+    code = "import sys, pdserve.sim.simulator; assert not [m for m in sys.modules if m.split('.')[0] == 'torch']"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

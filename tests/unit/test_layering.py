@@ -18,8 +18,7 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[2] / "pdserve"
 # the longest prefix listed here ("pdserve" alone is the package's facade, `pdserve/__init__.py`).
 LAYERS: tuple[tuple[str, ...], ...] = (
     # entry points: the facade, the CLI, benchmark clients, the simulator (it drives the engine loop)
-    ("pdserve", "pdserve.cli", "pdserve.bench", "pdserve.sim.simulator", "pdserve.sim.planner",
-     "pdserve.sim.cluster"),
+    ("pdserve", "pdserve.cli", "pdserve.bench", "pdserve.sim.simulator", "pdserve.sim.planner"),
     ("pdserve.router",),  # the disaggregation front: HTTP only, no engine
     ("pdserve.server",),  # the OpenAI HTTP front of one instance
     ("pdserve.engine", "pdserve.spec"),  # the engine loop, its builder, its own process; speculation around its executor
