@@ -155,7 +155,6 @@ class _Transfer:
     first_start: float | None = None  # the start of the first step that computed some of the prompt
     done_at: float | None = None  # when the KV and the first token reach the decode side
     first_token: int = 0
-    reserved: bool = False  # the decode side's blocks are reserved
     delivered_at: float | None = None  # when the decode side took it (the sender's ack)
 
 
@@ -192,7 +191,7 @@ class SimConnector:
         return True
 
     def start_receive(self, req: Request, spec: RemotePrefill) -> None:
-        self.transfers.setdefault(spec.transfer_id, _Transfer(req.num_prompt_tokens)).reserved = True
+        self.transfers.setdefault(spec.transfer_id, _Transfer(req.num_prompt_tokens))  # (its blocks are reserved)
         self._receives[req.req_id] = (req, spec.transfer_id)
 
     def poll(self) -> TransferEvents:
@@ -248,7 +247,6 @@ class ClusterConfig:
 
 @dataclass(slots=True)
 class _Instance:
-    role: str
     loop: EngineLoop
     executor: FakeExecutor
     connector: SimConnector | None
@@ -286,7 +284,7 @@ def _instance(
     connector = SimConnector(link, clock, transfers) if role != "both" and link is not None else None
     loop = EngineLoop(scheduler, executor, vocab_size=vocab, max_model_len=sched_cfg.max_model_len,
                       connector=connector, role=role)  # type: ignore[arg-type]  (duck-typed connector)
-    return _Instance(role, loop, executor, connector)
+    return _Instance(loop, executor, connector)
 
 
 def simulate_cluster(
