@@ -66,15 +66,13 @@ class Penalties:
             base = torch.repeat_interleave(torch.tensor([r for r, _ in row_seqs]) * vocab_size, lens)
             return base + ids
 
-        def history(i: int) -> History:
-            h = histories[i]
-            assert h is not None, "a row with penalties has no history"
-            return History(*h)
+        assert all(histories[i] is not None for i in rows), "a row with penalties has no history"
+        hist = {i: History(*histories[i]) for i in rows}  # type: ignore[misc]  (a plain tuple is one too)
 
         banned = None
-        short = [i for i in rows if len(history(i).output) < params[i].min_tokens and history(i).stop_ids]
+        short = [i for i in rows if len(hist[i].output) < params[i].min_tokens and hist[i].stop_ids]
         if short:
-            banned = positions([(i, history(i).stop_ids) for i in short]).to(device)
+            banned = positions([(i, hist[i].stop_ids) for i in short]).to(device)
         bias = None
         biased = [(i, params[i].logit_bias or {}) for i in rows if params[i].logit_bias]
         if biased:
@@ -83,13 +81,13 @@ class Penalties:
         repetition = None
         repeated = [i for i in rows if params[i].repetition_penalty != 1.0]
         if repeated:
-            pos = positions([(i, seq) for i in repeated for seq in (history(i).prompt, history(i).output)]).unique()
+            pos = positions([(i, seq) for i in repeated for seq in (hist[i].prompt, hist[i].output)]).unique()
             factor = torch.tensor([params[i].repetition_penalty for i in range(len(params))])
             repetition = (pos.to(device), factor[pos // vocab_size].to(device))
         subtract = amounts = None
         counted = [i for i in rows if params[i].frequency_penalty != 0.0 or params[i].presence_penalty != 0.0]
         if counted:
-            pos, counts = positions([(i, history(i).output) for i in counted]).unique(return_counts=True)
+            pos, counts = positions([(i, hist[i].output) for i in counted]).unique(return_counts=True)
             frequency = torch.tensor([params[i].frequency_penalty for i in range(len(params))])
             presence = torch.tensor([params[i].presence_penalty for i in range(len(params))])
             row = pos // vocab_size

@@ -302,7 +302,7 @@ def simulate_cluster(
         _instance("decode", config.decode, decode_model or prefill_model, clock, vocab, config.link, transfers)
         for _ in range(config.num_decode)
     ]
-    users = back or front  # where requests produce the tokens a client sees
+    users = {id(x) for x in back or front}  # the instances where requests produce the tokens a client sees
     order = sorted(range(len(workload)), key=lambda i: workload[i].arrival)
     owner: dict[tuple[int, str], int] = {}  # (id of the instance the client reads, req id) -> workload index
     times: dict[int, list[float]] = {i: [] for i in range(len(workload))}
@@ -330,7 +330,7 @@ def simulate_cluster(
         if not inst.blocked and inst.executor.num_steps != ran:
             rec = inst.loop.step_records[-1]
             steps.append(StepSample(rec.duration, rec.num_prefill_tokens, rec.num_decode_tokens, rec.num_context_tokens))
-        if inst in users:
+        if id(inst) in users:
             # a first token that came with the KV reached the decode side at the step's start (its poll)
             _collect(id(inst), outputs, t_step if inst.connector is not None else clock.now, clock.now, owner, times, done)
     results = [SimRequestResult(w.arrival, times[i][0], done[i], w.output_len, times[i]) for i, w in enumerate(workload)]
