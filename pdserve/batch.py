@@ -37,6 +37,9 @@ class BatchRequest:
     # For a request that scores its prompt (`SamplingParams.prompt_logprobs`): the prompt tokens its
     # positions in this step predict, token_ids[j] -> prompt_targets[j] (fewer at the prompt's end).
     prompt_targets: list[int] | None = None
+    # For a sampling request under a structured-output grammar: the tokens it may sample, one bit per
+    # vocabulary entry (bit t % 8 of byte t // 8); the sampler gives every other token -inf.
+    allowed: bytes | None = None
 
     @property
     def num_new_tokens(self) -> int:

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.errors import InvalidRequestError
+from pdserve.structured import Grammar, StructuredOutputs
 
 
 # Bounds on what one request may ask of the sampler (each entry of logit_bias is work on every step).
@@ -70,6 +71,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # The output follows a JSON schema, a regex, a choice or a grammar (pdserve/structured.py).
+    structured_outputs: StructuredOutputs | None = None
     # This request's latency targets in milliseconds; None: the engine's (SchedulerConfig.slo_ttft_ms /
     # slo_itl_ms, SpeculativeConfig.slo_tpot_ms). Only the `slo` policy (EDF deadline, rejection, the
     # step's ITL budget) and the slack speculation-length rule act on them; other policies ignore them.
@@ -146,6 +149,10 @@ class SamplingParams:
             raise bad("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids must be non-negative integers")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputs):
+                raise bad("structured_outputs must be a StructuredOutputs")
+            self.structured_outputs.validate()
         for name in ("slo_ttft_ms", "slo_itl_ms", "slo_tpot_ms"):
             v = getattr(self, name)
             ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
@@ -197,6 +204,8 @@ class Request:
     logprobs: list[dict[int, float]] | None = None
     # When params.prompt_logprobs is set: one dict per prompt token scored so far, from the second on.
     prompt_logprobs: list[dict[int, float]] | None = None
+    # When params.structured_outputs is set: the constraint in progress (the engine loop compiles it).
+    grammar: Grammar | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

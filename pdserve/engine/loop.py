@@ -31,6 +31,7 @@ from pdserve.errors import InvalidRequestError
 from pdserve.outputs import RequestOutput
 from pdserve.request import FinishReason, Request, SamplingParams
 from pdserve.scheduler.scheduler import Scheduler, SchedulerOutput
+from pdserve.structured import GrammarCompiler
 
 if TYPE_CHECKING:
     from pdserve.transfer.connector import KVConnector
@@ -77,6 +78,7 @@ class EngineLoop:
         self.connector = connector
         self.role = role
         self.outputs = OutputProcessor(tokenizer)
+        self.grammars = GrammarCompiler.for_tokenizer(tokenizer, vocab_size, eos_token_ids)
         self.step_records: deque[StepRecord] = deque(maxlen=10_000)
         self.kv_reservations: list[tuple[str, int]] = []  # (req_id, tokens it holds already) since last taken
         self._remote_prefill: dict[str, RemotePrefill] = {}  # waiting for their blocks to be reserved
@@ -119,6 +121,11 @@ class EngineLoop:
         else:
             token_ids = list(prompt)
         self.validate_prompt(token_ids)
+        grammar = None
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise InvalidRequestError("structured outputs need the model's tokenizer; this engine has none")
+            grammar = self.grammars.compile(params.structured_outputs)
         req = Request(
             req_id=req_id,
             prompt_token_ids=token_ids,
@@ -126,6 +133,7 @@ class EngineLoop:
             arrival_time=self.clock() if arrival_time is None else arrival_time,
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
+            grammar=grammar,
         )
         self.scheduler.check_admission(req)  # SLORejectedError under `slo` with `slo_reject`
         if kv_transfer is not None:

@@ -93,7 +93,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, rows), upcast=False)
         params = [r.params for r in sampling]
         histories = [None if r.history is None else History(*r.history, r.stop_ids or ()) for r in sampling]
-        md = SamplingMetadata.from_params(params, gens, self.vocab_size, self.device, histories)
+        allowed = [r.allowed for r in sampling]
+        md = SamplingMetadata.from_params(params, gens, self.vocab_size, self.device, histories, allowed)
         so = self.sampler(logits, md)
         token_ids = [[t] for t in so.token_ids.tolist()]
         logprobs: list[list[dict[int, float]] | None] = [None] * len(sampling)
@@ -183,10 +184,12 @@ class ModelRunner:
         params: list[SamplingParams] = []
         drafts: list[int] = []
         histories: list[History | None] = []  # row j of a request with penalties: its sequence + j drafts
+        allowed: list[bytes | None] = []  # a grammar's mask holds for row 0 (its requests get no drafts)
         for r in sampling:
             k, last = r.num_spec_tokens, flat_pos[id(r)]
             rows.extend(range(last - k, last + 1))
             params.extend([r.params] * (k + 1))
+            allowed.extend([r.allowed] + [None] * k)
             own = r.token_ids[len(r.token_ids) - k :]
             drafts.extend(own)
             if r.history is None:
@@ -195,7 +198,7 @@ class ModelRunner:
                 prompt, output = r.history
                 histories.extend(History(prompt, (*output, *own[:j]), r.stop_ids or ()) for j in range(k + 1))
         logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(rows, device=self.device)))
-        md = SamplingMetadata.from_params(params, {}, self.vocab_size, self.device, histories)
+        md = SamplingMetadata.from_params(params, {}, self.vocab_size, self.device, histories, allowed)
         num_drafts = [r.num_spec_tokens for r in sampling]
         token_ids, final_rows = self.sampler.verify(logits, md, num_drafts, drafts, gens)
         logprobs: list[list[dict[int, float]] | None] = [None] * len(sampling)

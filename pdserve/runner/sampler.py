@@ -2,7 +2,8 @@
 
 The model runner builds a `SamplingMetadata` from the rows' `SamplingParams` (once per batch layout) and
 calls `Sampler` on the last-position logits. Logprobs are those of the raw model distribution (as vLLM's
-default). Rows with penalties or a logit bias (`Penalties`) have their logits changed first; then greedy
+default). Rows with penalties or a logit bias (`Penalties`) have their logits changed first, rows under a
+structured-output grammar get -inf at every token it does not allow (`SamplingMetadata.allowed`); then greedy
 rows take the argmax; random rows go through temperature, top-k, top-p and min-p and are drawn with
 inverse-CDF sampling (one uniform number per row), so a seeded row's draw depends only on its own
 generator and its own logits, never on which other rows share the batch.
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from pdserve.request import SamplingParams
@@ -123,6 +125,9 @@ class SamplingMetadata:
     all_greedy: bool
     max_num_logprobs: int | None  # max over rows of params.logprobs; None if no row wants logprobs
     penalties: Penalties | None = None  # None when no row has a penalty or a logit bias
+    # Rows under a structured-output grammar and, for each, which tokens it may take ([R] int64,
+    # [R, V] bool); None when no row has a grammar.
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_params(
@@ -132,9 +137,11 @@ class SamplingMetadata:
         vocab_size: int,
         device: torch.device,
         histories: list[History | None] | None = None,
+        allowed: Sequence[bytes | None] | None = None,
     ) -> SamplingMetadata:
         """Greedy rows get neutral top-k/top-p/min-p values: those options only shape random draws.
-        `histories`: per row, the tokens its penalties count (needed for the rows that have them)."""
+        `histories`: per row, the tokens its penalties count (needed for the rows that have them).
+        `allowed`: per row, the packed bitmask of a row under a grammar (`BatchRequest.allowed`) or None."""
         temperature: list[float] = []
         top_k: list[int] = []
         top_p: list[float] = []
@@ -158,7 +165,32 @@ class SamplingMetadata:
             all_greedy=all(t == 0.0 for t in temperature),
             max_num_logprobs=max(wanted) if wanted else None,
             penalties=Penalties.from_rows(params, histories or [None] * len(params), vocab_size, device),
+            allowed=unpack_allowed(allowed, vocab_size, device) if allowed else None,
         )
+
+
+def unpack_allowed(
+    masks: Sequence[bytes | None], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The rows that have a packed mask (bit t % 8 of byte t // 8 allows token t) and the masks as
+    [R, vocab_size] bool; tokens past a mask's end are not allowed. None when no row has one."""
+    rows = [i for i, m in enumerate(masks) if m is not None]
+    if not rows:
+        return None
+    width = max(len(masks[i]) for i in rows)  # type: ignore[arg-type]
+    packed = np.zeros((len(rows), max(width, (vocab_size + 7) // 8)), dtype=np.uint8)
+    for n, i in enumerate(rows):
+        m = masks[i]
+        assert m is not None
+        packed[n, : len(m)] = np.frombuffer(m, dtype=np.uint8)
+    bits = np.unpackbits(packed, axis=1, count=vocab_size, bitorder="little")
+    return torch.tensor(rows, device=device), torch.from_numpy(bits).to(device=device, dtype=torch.bool)
+
+
+def _mask_rows_(logits: torch.Tensor, allowed: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """-inf in place at every token the grammar rows may not take (`logits` float32, a copy)."""
+    rows, mask = allowed
+    logits[rows] = logits[rows].masked_fill_(~mask, float("-inf"))
 
 
 @dataclass(slots=True)
@@ -188,11 +220,18 @@ class Sampler:
         modifies `logits`. An all-greedy batch without logprobs or penalties takes the argmax of the rows
         as given: widening 16-bit values to float32 is exact, so the argmax is the same, without the copy."""
         if md.all_greedy and md.max_num_logprobs is None and md.penalties is None:
-            return SamplerOutput(token_ids=greedy(logits), logprobs=None, logprob_token_ids=None)
+            token_ids = greedy(logits)
+            if md.allowed is not None:  # only the grammar rows are widened and masked
+                rows, mask = md.allowed
+                token_ids[rows] = greedy(logits[rows].to(torch.float32).masked_fill_(~mask, float("-inf")))
+            return SamplerOutput(token_ids=token_ids, logprobs=None, logprob_token_ids=None)
         raw = logits  # the logprobs' source
-        logits = logits.to(torch.float32, copy=md.penalties is not None)
+        changed = md.penalties is not None or md.allowed is not None
+        logits = logits.to(torch.float32, copy=changed)
         if md.penalties is not None:
             md.penalties.apply_(logits)
+        if md.allowed is not None:
+            _mask_rows_(logits, md.allowed)
         greedy_ids = greedy(logits)
         if md.all_greedy:
             token_ids = greedy_ids
@@ -201,7 +240,7 @@ class Sampler:
 
         if md.max_num_logprobs is None:
             return SamplerOutput(token_ids=token_ids, logprobs=None, logprob_token_ids=None)
-        raw_logprobs = torch.log_softmax(logits if md.penalties is None else raw.to(torch.float32), dim=-1)
+        raw_logprobs = torch.log_softmax(raw.to(torch.float32) if changed else logits, dim=-1)
         top_logprobs, top_ids = raw_logprobs.topk(min(md.max_num_logprobs, logits.shape[-1]), dim=-1)
         sampled = token_ids.unsqueeze(-1)
         return SamplerOutput(
@@ -230,9 +269,11 @@ class Sampler:
         drawn from the last row. A request draws k + 1 uniform numbers from its own generator (k tests,
         one final draw), so with k = 0 it makes exactly the draw of `__call__`. Penalties count, for
         row j of a request, its sequence plus its first j drafts (the caller's `md`)."""
-        logits = logits.to(torch.float32, copy=md.penalties is not None)
+        logits = logits.to(torch.float32, copy=md.penalties is not None or md.allowed is not None)
         if md.penalties is not None:
             md.penalties.apply_(logits)
+        if md.allowed is not None:
+            _mask_rows_(logits, md.allowed)
         greedy_ids = greedy(logits).tolist()
         starts, d_starts = [0], [0]
         for k in num_drafts:

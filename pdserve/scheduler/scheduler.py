@@ -97,8 +97,10 @@ class SchedulerOutput:
                     stop_ids = (*(() if params.ignore_eos else req.eos_token_ids), *params.stop_token_ids)
             if params.prompt_logprobs is not None and start < len(req.prompt_token_ids) - 1:
                 targets = req.prompt_token_ids[start + 1 : end + 1]
+            allowed = req.grammar.bitmask() if samples and req.grammar is not None else None
             requests.append(BatchRequest(
-                req.req_id, token_ids, start, list(req.block_ids), samples, num_spec, params, history, stop_ids, targets
+                req.req_id, token_ids, start, list(req.block_ids), samples, num_spec, params, history, stop_ids,
+                targets, allowed,
             ))
         return Batch(requests, self.num_batched_tokens)
 
@@ -214,12 +216,10 @@ class Scheduler:
         if req is None:
             return None
         req.num_computed_tokens = req.num_prompt_tokens
-        req.output_token_ids.append(first_token)
         req.first_token_time = self.clock()
-        if req.params.logprobs is not None and logprobs is not None:
-            req.logprobs = [logprobs]
+        wanted = req.params.logprobs is not None and logprobs is not None
+        reason, stop_reason = self._append(req, [first_token], [logprobs] if wanted else None)  # type: ignore[list-item]
         self.block_manager.cache_full_blocks(req)
-        reason, stop_reason = self._check_stop(req, first_token)
         if reason is not None:
             self._finish(req, reason, stop_reason)
         else:
@@ -499,6 +499,9 @@ class Scheduler:
                 if req.logprobs is None:
                     req.logprobs = []
                 req.logprobs.append(logprobs[i])
+            if req.grammar is not None and not req.grammar.accept(token):
+                req.error = f"token {token} breaks the structured output constraint: {req.grammar.error}"
+                return FinishReason.ERROR, None
             reason, stop_reason = self._check_stop(req, token)
             if reason is not None:
                 break
@@ -507,6 +510,8 @@ class Scheduler:
     def _max_spec_tokens(self, req: Request) -> int:
         """Drafts worth running: a step accepts at most drafts + 1 tokens, and none past max_tokens or the
         context length."""
+        if req.grammar is not None:  # (a draft would need its own mask, after the drafts before it)
+            return 0
         n = req.params.max_tokens - req.num_output_tokens - 1
         if req.max_model_len:
             n = min(n, req.max_model_len - req.num_tokens)
@@ -518,6 +523,8 @@ class Scheduler:
             return FinishReason.STOP, None
         if token in p.stop_token_ids:
             return FinishReason.STOP, token
+        if req.grammar is not None and req.grammar.is_complete:
+            return FinishReason.STOP, None
         if req.num_output_tokens >= p.max_tokens:
             return FinishReason.LENGTH, None
         if req.max_model_len and req.num_tokens >= req.max_model_len:

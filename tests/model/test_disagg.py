@@ -24,7 +24,7 @@ LAYOUT = KVLayout(TINY.num_layers, TINY.num_kv_heads, TINY.head_dim, torch.float
 
 def make_engine(
     weights, role: str, transport=None, *, lease_s: float = 120.0, ack_timeout_s: float = 10.0,
-    kv_cache_dtype: str = "auto", **sched,
+    kv_cache_dtype: str = "auto", tokenizer=None, **sched,
 ):
     kv = KVTransferConfig(
         role=role, backend=None if role == "both" else "inproc", lease_s=lease_s, ack_timeout_s=ack_timeout_s
@@ -36,7 +36,7 @@ def make_engine(
         scheduler=SchedulerConfig(**sched),
         kv_transfer=kv,
     )
-    return LLMEngine(cfg, model_config=TINY, weights=weights, kv_transport=transport)
+    return LLMEngine(cfg, model_config=TINY, weights=weights, kv_transport=transport, tokenizer=tokenizer)
 
 
 def make_transport(backend: str, hub: InprocHub, layout: KVLayout = LAYOUT):

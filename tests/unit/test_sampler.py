@@ -380,3 +380,68 @@ def test_logit_bias_outside_the_vocabulary_is_refused():
     p.check_vocab(96)
     with pytest.raises(InvalidRequestError, match=r"\[0, 96\)"):
         SamplingParams(logit_bias={96: 1.0}).check_vocab(96)
+
+
+# ---- structured outputs: the grammar rows' allowed-token masks ---------------------------------------
+
+
+def pack(allowed: list[int], vocab_size: int) -> bytes:
+    """llguidance's layout: 32-bit little-endian words, token t at bit t % 32 of word t // 32."""
+    words = [0] * ((vocab_size + 31) // 32)
+    for t in allowed:
+        words[t // 32] |= 1 << (t % 32)
+    return b"".join(w.to_bytes(4, "little") for w in words)
+
+
+def test_unpack_allowed_reads_the_packed_bits():
+    from pdserve.runner.sampler import unpack_allowed
+
+    v = 70
+    got = unpack_allowed([None, pack([0, 31, 32, 33, 69], v), None, pack([5], v)[:4]], v, torch.device("cpu"))
+    assert got is not None
+    rows, mask = got
+    assert rows.tolist() == [1, 3]
+    assert mask.shape == (2, v)
+    assert mask[0].nonzero().flatten().tolist() == [0, 31, 32, 33, 69]
+    assert mask[1].nonzero().flatten().tolist() == [5]  # past a short mask's end: not allowed
+    assert unpack_allowed([None, None], v, torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("logprobs", [None, 2])
+def test_grammar_rows_take_only_allowed_tokens(dtype, temperature, logprobs):
+    """Greedy rows take the best allowed token, random rows draw only allowed ones, on the all-greedy
+    fast path and the general one; other rows and the logprobs are untouched."""
+    v = 300
+    logits = torch.randn(4, v, generator=torch.Generator().manual_seed(3)).to(dtype)
+    before = logits.clone()
+    allowed = [5, 77, 150, 299]
+    params = [SamplingParams(temperature=temperature, logprobs=logprobs, seed=s) for s in range(4)]
+    md = SamplingMetadata.from_params(
+        params, {}, v, torch.device("cpu"), allowed=[pack(allowed, v), None, pack([9], v), None]
+    )
+    plain = Sampler(torch.Generator().manual_seed(0))(logits, SamplingMetadata.from_params(params, {}, v, torch.device("cpu")))
+    for _ in range(20 if temperature else 1):
+        out = Sampler(torch.Generator().manual_seed(_))(logits, md)
+        ids = out.token_ids.tolist()
+        assert ids[0] in allowed and ids[2] == 9
+        if temperature == 0.0:
+            assert ids[0] == max(allowed, key=lambda t: float(logits[0, t]))
+            assert ids[1] == plain.token_ids[1] and ids[3] == plain.token_ids[3]
+    assert torch.equal(logits, before)  # never modified
+    if logprobs is not None:
+        raw = torch.log_softmax(logits.float(), dim=-1)
+        assert out.logprobs is not None and out.logprob_token_ids is not None
+        assert float(out.logprobs[0, 0]) == pytest.approx(float(raw[0, ids[0]]), abs=1e-5)
+        assert out.logprob_token_ids[0, 1:].tolist() == raw[0].topk(2).indices.tolist()
+
+
+def test_verify_masks_the_grammar_rows():
+    v = 50
+    logits = torch.randn(3, v, generator=torch.Generator().manual_seed(4))
+    params = [SamplingParams(temperature=0)] * 3
+    md = SamplingMetadata.from_params(params, {}, v, torch.device("cpu"), allowed=[None, pack([7, 8], v), None])
+    tokens, _ = Sampler().verify(logits, md, [0, 0, 0], [], {})
+    assert tokens[1] == [max((7, 8), key=lambda t: float(logits[1, t]))]
+    assert tokens[0] == [int(logits[0].argmax())] and tokens[2] == [int(logits[2].argmax())]
