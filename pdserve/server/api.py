@@ -163,6 +163,7 @@ def build_app(config: ServerConfig) -> FastAPI:
             sampling_params(req, server.check_prompt(ids, wanted, "prompt"), req.logprobs, prompt_logprobs)
             for ids in prompts
         ]
+        await server.check_structured(params, "response_format" if req.response_format else "structured_outputs")
         job = server.new_job(
             "cmpl",
             prompts,
@@ -199,6 +200,7 @@ def build_app(config: ServerConfig) -> FastAPI:
         ids = await server.tokenize_chat(messages, add_generation_prompt)
         wanted = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = [sampling_params(req, server.check_prompt(ids, wanted, "messages"), num_logprobs)]
+        await server.check_structured(params, "response_format" if req.response_format else "structured_outputs")
         job = server.new_job(
             "chatcmpl",
             [ids],

@@ -27,6 +27,7 @@ from pdserve.engine.process.client import EngineClient, EngineDeadError, Overloa
 from pdserve.server.guards import check_api_key, check_cluster, check_json_content_type, read_body
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.protocol import APIError, LogprobFormatter, StreamOptions, bad_request, choice_seed
+from pdserve.structured import GrammarCompiler
 
 # A token is rarely more than a few characters: a text this many times longer than the context cannot
 # fit, and is refused before it is tokenized.
@@ -90,6 +91,7 @@ class Server:
         self.ready: Ready | None = None
         self.logprob_formatter: LogprobFormatter | None = None
         self.chat_encoder: ChatEncoder | None = None
+        self.grammars: GrammarCompiler | None = None  # built at the first request with a constraint
         self.started = int(time.time())
 
     async def start(self) -> None:
@@ -305,6 +307,22 @@ class Server:
         continuous = usage and bool(stream_options and stream_options.continuous_usage_stats)
         return Job(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), prompts, n, stream, usage, logprobs,
                    echo, continuous, deadline=deadline)
+
+    async def check_structured(self, params: list[Any], param: str) -> None:
+        """Compile the request's output constraint here (off the event loop) so that a bad one is a 400
+        before anything reaches the engine, which compiles it again for its own use."""
+        spec = params[0].structured_outputs if params else None
+        if spec is None:
+            return
+        if self.grammars is None:
+            self.grammars = GrammarCompiler.for_tokenizer(self.tokenizer, self.ready.vocab_size if self.ready else 0,
+                                                          frozenset())
+            if self.grammars is None:
+                raise bad_request("structured outputs need the model's tokenizer", param=param)
+        try:
+            await asyncio.to_thread(self.grammars.compile, spec)
+        except InvalidRequestError as e:
+            raise bad_request(str(e), param=param) from None
 
     def prompt_texts(self, prompt: str | list[Any], ids: list[list[int]]) -> list[str]:
         """Each prompt's text as `echo` repeats it: as sent, or decoded where it came as token ids."""

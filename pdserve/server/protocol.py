@@ -21,6 +21,7 @@ import msgspec
 from pdserve.errors import InvalidRequestError
 from pdserve.request import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from pdserve.server.wire import ErrorBody, ErrorInfo
+from pdserve.structured import StructuredOutputs
 
 MAX_N = 128
 MAX_STOP_STRINGS = 16  # each one is matched against the text after every token
@@ -95,6 +96,10 @@ class _GenerationRequest(msgspec.Struct, kw_only=True):
     slo_ttft_ms: float | None = None
     slo_itl_ms: float | None = None
     slo_tpot_ms: float | None = None
+    # Structured outputs: OpenAI's {"type": "json_object"} / {"type": "json_schema", "json_schema":
+    # {"name": ..., "schema": {...}}}, or vLLM's {"json" | "json_object" | "regex" | "choice" | "grammar": ...}.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
     # Disaggregation (set by `pdserve router`, see docs/disaggregation.md):
     # {"remote_prefill": true, "transfer_id": T} on a decode instance,
     # {"remote_decode": {"transfer_id": T, "address": A, "skip_tokens": N}} on a prefill instance.
@@ -129,7 +134,6 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     top_logprobs: Int32 | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool | None = None
 
 
@@ -171,8 +175,6 @@ def check_unsupported(req: _GenerationRequest) -> None:
             raise bad_request("tools are not supported", param="tools")
         if req.tool_choice not in (None, "none", "auto"):
             raise bad_request("tool_choice is not supported", param="tool_choice")
-        if req.response_format is not None and req.response_format.get("type", "text") != "text":
-            raise bad_request("response_format other than text is not supported", param="response_format")
 
 
 def num_choices(req: _GenerationRequest) -> int:
@@ -210,10 +212,62 @@ def sampling_params(
             slo_ttft_ms=req.slo_ttft_ms,
             slo_itl_ms=req.slo_itl_ms,
             slo_tpot_ms=req.slo_tpot_ms,
+            structured_outputs=structured_outputs_of(req),
         )
     except InvalidRequestError as e:
         name = str(e).split(" ", 1)[0]
         raise bad_request(str(e), param=name if name in type(req).__struct_fields__ else None) from None
+
+
+_STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def structured_outputs_of(req: _GenerationRequest) -> StructuredOutputs | None:
+    """The request's output constraint, from `response_format` or `structured_outputs` (not both); only
+    the shapes are checked here (`Front.check_structured` compiles it)."""
+    rf, so = req.response_format, req.structured_outputs
+    if rf is not None and rf.get("type", "text") == "text":
+        rf = None
+    if rf is not None and so is not None:
+        raise bad_request("give response_format or structured_outputs, not both", param="structured_outputs")
+    try:
+        if rf is not None:
+            kind = rf.get("type")
+            if kind == "json_object":
+                return StructuredOutputs(json_object=True)
+            if kind != "json_schema":
+                raise bad_request(
+                    f"response_format.type must be text, json_object or json_schema, got {str(kind)[:32]!r}",
+                    param="response_format",
+                )
+            spec = rf.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise bad_request(
+                    'response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}',
+                    param="response_format",
+                )
+            return _checked(StructuredOutputs(json=schema), "response_format")
+        if so is None:
+            return None
+        unknown = sorted(set(so) - set(_STRUCTURED_KEYS))
+        if unknown:
+            raise bad_request(
+                f"structured_outputs: unsupported key {unknown[0][:32]!r} (supported: {', '.join(_STRUCTURED_KEYS)})",
+                param="structured_outputs",
+            )
+        given = {k: v for k, v in so.items() if v is not None and v is not False}
+        return _checked(StructuredOutputs(**given), "structured_outputs")
+    except TypeError:  # (a value of the wrong type in a dataclass field is caught by validate())
+        raise bad_request("structured_outputs is malformed", param="structured_outputs") from None
+
+
+def _checked(so: StructuredOutputs, param: str) -> StructuredOutputs:
+    try:
+        so.validate()
+    except InvalidRequestError as e:
+        raise bad_request(str(e), param=param) from None
+    return so
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

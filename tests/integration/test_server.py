@@ -191,6 +191,72 @@ def test_echo_puts_the_prompt_before_the_text_and_rates_its_tokens(client, offli
     assert "".join(ch.choices[0].text for ch in chunks) == resp_text(client, prompt, echo=True)
 
 
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}, "population": {"type": "integer"}},
+    "required": ["city", "population"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_and_structured_outputs_reach_the_engine(client, offline):
+    """OpenAI's response_format (chat and completions) and vLLM's structured_outputs give offline's
+    constrained output, streamed or not; the JSON parses and follows the schema."""
+    from pdserve.structured import StructuredOutputs
+
+    msgs = [{"role": "user", "content": "Describe Paris as JSON."}]
+    rf = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}}
+    resp = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=40, temperature=0, response_format=rf)
+    text = resp.choices[0].message.content
+    prompt = offline.tokenizer.apply_chat_template(msgs)
+    assert text == offline_text(offline, offline.tokenizer.encode(prompt, add_special_tokens=False), temperature=0,
+                                max_tokens=40, structured_outputs=StructuredOutputs(json=SCHEMA))
+    if resp.choices[0].finish_reason == "stop":
+        value = json.loads(text)
+        assert set(value) == {"city", "population"} and isinstance(value["population"], int)
+    cases = [
+        ({"response_format": {"type": "json_object"}}, StructuredOutputs(json_object=True)),
+        ({"structured_outputs": {"regex": "[A-Z][a-z]{2,6} [0-9]{2}"}}, StructuredOutputs(regex="[A-Z][a-z]{2,6} [0-9]{2}")),
+        ({"structured_outputs": {"choice": ["red", "green", "blue"]}}, StructuredOutputs(choice=["red", "green", "blue"])),
+    ]
+    for extra, so in cases:
+        got = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=16, temperature=0, extra_body=extra)
+        want = offline_text(offline, PROMPTS[2], temperature=0, max_tokens=16, structured_outputs=so)
+        assert got.choices[0].text == want, extra
+        chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=16, temperature=0,
+                                                extra_body=extra, stream=True))
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want
+    assert client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0, extra_body=cases[2][0]
+    ).choices[0].text in ("red", "green", "blue")
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "message"),
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "schema"),
+        ({"response_format": {"type": "yaml"}}, "response_format", "json_object or json_schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+         "response_format", "invalid structured output"),
+        ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs", "invalid structured output"),
+        ({"structured_outputs": {"grammar": "root ::= missing"}}, "structured_outputs", "invalid structured output"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
+        ({"structured_outputs": {"choice": "abc"}}, "structured_outputs", "choice"),
+        ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs", "unsupported key"),
+        ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs",
+         "not both"),
+        ({"structured_outputs": {"regex": "a", "json": "{"}}, "structured_outputs", "exactly one"),
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_bad_constraints_are_400_before_anything_runs(url, fields, param, message, stream):
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, "stream": stream,
+                                                  **fields}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and message in err["message"], err
+
+
 def resp_text(client, prompt: str, **kw) -> str:  # type: ignore[no-untyped-def]
     return client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, **kw).choices[0].text
 
