@@ -28,9 +28,9 @@ from pdserve.errors import InvalidRequestError
 MAX_SPEC_CHARS = 65_536
 MAX_CHOICES = 1_024
 
-# JSON output without free whitespace: ", " and ": " between items (as Python's json.dumps). Free
-# whitespace lets a model fill max_tokens with newlines (a known failure of greedy decoding under JSON
-# grammars); a schema can ask for it with {"x-guidance": {"whitespace_flexible": true}}.
+# Compact JSON output: "," and ":" between items, no whitespace. Free whitespace lets a model fill
+# max_tokens with newlines (a known failure of greedy decoding under JSON grammars); a schema can ask for
+# it with {"x-guidance": {"whitespace_flexible": true}}.
 _JSON_DEFAULTS: dict[str, Any] = {"whitespace_flexible": False}
 
 
