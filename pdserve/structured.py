@@ -6,9 +6,9 @@ asks for is a `StructuredOutputs` value on its `SamplingParams` (vLLM's field na
 compiles it into a `Grammar`, one per request, at `add_request` (a bad grammar is an
 InvalidRequestError there, nothing allocated); from then on:
 
-- `SchedulerOutput.to_batch` asks the grammar of each request that samples in the step for its
-  bitmask of allowed next tokens (one bit per vocabulary entry, bytes), and the sampler sets every other
-  token's logit to -inf before choosing (greedy, random, or verifying drafts alike);
+- `SchedulerOutput.to_batch` has the grammars of the requests that sample in the step compute their
+  bitmasks of allowed next tokens (`bitmasks`: one bit per vocabulary entry, all in one call), and the
+  sampler sets every other token's logit to -inf before choosing (greedy, random, or verifying drafts);
 - the scheduler feeds each accepted token to the grammar and finishes the request with "stop" once the
   grammar is complete (EOS is allowed only where the grammar accepts);
 - a request under a grammar gets no draft tokens (its drafts would need a mask per draft position).
@@ -19,8 +19,12 @@ Compiling is ~1 ms for ordinary schemas (host G); llguidance's parser limits bou
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from pdserve.errors import InvalidRequestError
 
@@ -107,14 +111,15 @@ def _dumps(value: Any) -> str:
 class Grammar:
     """One request's constraint in progress: which tokens may come next, and the tokens taken so far."""
 
-    __slots__ = ("_matcher",)
+    __slots__ = ("_matcher", "_compiler")
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, compiler: GrammarCompiler) -> None:
         self._matcher = matcher
+        self._compiler = compiler
 
     def bitmask(self) -> bytes:
-        """The tokens allowed next: bit t % 8 of byte t // 8 for token t (32-bit words, little-endian)."""
-        return self._matcher.compute_bitmask()
+        """The tokens allowed next (layout of `bitmasks`); one grammar's, for tests and tools."""
+        return bitmasks([self])[0]
 
     def accept(self, token: int) -> bool:
         """Take a sampled token; False (and the grammar broken for good) if it was not allowed."""
@@ -130,6 +135,23 @@ class Grammar:
         return self._matcher.get_error() if self._matcher.is_error() else None
 
 
+def bitmasks(grammars: Sequence[Grammar]) -> list[bytes]:
+    """Each grammar's allowed next tokens: bit t % 8 of byte t // 8 for token t (32-bit little-endian
+    words). All of a step's masks are computed in one call on llguidance's thread pool, which runs
+    without the GIL: 0.44 ms for 64 JSON grammars at SmolLM2's 49k tokens on host G, against 10 ms for
+    64 calls of the matcher's own `compute_bitmask`. Grammars of one compiler."""
+    if not grammars:
+        return []
+    compiler = grammars[0]._compiler
+    assert all(g._compiler is compiler for g in grammars), "grammars of one engine's compiler"
+    words = (compiler.table_vocab_size + 31) // 32
+    out = np.empty((len(grammars), words), dtype=np.int32)
+    compiler.executor.unsafe_compute_mask_ptr(
+        [(g._matcher, i) for i, g in enumerate(grammars)], out.ctypes.data, words * 4, len(grammars)
+    )
+    return [row.tobytes() for row in out]
+
+
 class GrammarCompiler:
     """Compiles constraints against one tokenizer. Its token table (llguidance's `LLTokenizer`) is built at
     the first `compile`: 0.2 s for SmolLM2's 49k tokens, 0.6 s for Qwen2.5's 152k on host G, paid once
@@ -141,6 +163,11 @@ class GrammarCompiler:
         self._vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
         self._table: Any = None
+        self.executor: Any = None  # llguidance's thread pool for a step's masks (`bitmasks`)
+
+    @property
+    def table_vocab_size(self) -> int:
+        return int(self._table.vocab_size)
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> GrammarCompiler | None:
@@ -160,7 +187,8 @@ class GrammarCompiler:
             self._table = llguidance.LLTokenizer(
                 self._tokenizer_json, n_vocab=self._vocab_size, eos_token=self._eos or None
             )
+            self.executor = llguidance.LLExecutor(num_threads=min(len(os.sched_getaffinity(0)), 16))
         matcher = llguidance.LLMatcher(self._table, grammar, log_level=0)
         if matcher.is_error():
             raise InvalidRequestError(f"invalid structured output constraint: {matcher.get_error()}")
-        return Grammar(matcher)
+        return Grammar(matcher, self)

@@ -125,8 +125,8 @@ class SamplingMetadata:
     all_greedy: bool
     max_num_logprobs: int | None  # max over rows of params.logprobs; None if no row wants logprobs
     penalties: Penalties | None = None  # None when no row has a penalty or a logit bias
-    # Rows under a structured-output grammar and, for each, which tokens it may take ([R] int64,
-    # [R, V] bool); None when no row has a grammar.
+    # Rows under a structured-output grammar and, for each, 0 at the tokens it may take and -inf at the
+    # others ([R] int64, [R, V] float32: `unpack_allowed`); None when no row has a grammar.
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
@@ -169,28 +169,36 @@ class SamplingMetadata:
         )
 
 
+# Byte value -> its 8 tokens' additive mask (bit j of the byte: token j of the 8 allowed -> 0, else -inf).
+_BYTE_MASKS = torch.where(
+    torch.tensor(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little"), dtype=torch.bool),
+    0.0,
+    float("-inf"),
+)
+
+
 def unpack_allowed(
     masks: Sequence[bytes | None], vocab_size: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The rows that have a packed mask (bit t % 8 of byte t // 8 allows token t) and the masks as
-    [R, vocab_size] bool; tokens past a mask's end are not allowed. None when no row has one."""
+    """The rows that have a packed mask (bit t % 8 of byte t // 8 allows token t) and, for those rows, a
+    float32 [R, vocab_size] that is 0 at allowed tokens and -inf elsewhere (tokens past a mask's end are
+    not allowed). Built by looking each byte up in a 256 x 8 table: one pass, where torch's masked_fill
+    and where over a bool mask took 3.5-5 ms at 64 rows of SmolLM2's 49,152 tokens on host G (this: 0.4).
+    None when no row has a mask."""
     rows = [i for i, m in enumerate(masks) if m is not None]
     if not rows:
         return None
-    width = max(len(masks[i]) for i in rows)  # type: ignore[arg-type]
-    packed = np.zeros((len(rows), max(width, (vocab_size + 7) // 8)), dtype=np.uint8)
+    nbytes = (vocab_size + 7) // 8
+    packed = np.zeros((len(rows), nbytes), dtype=np.uint8)
     for n, i in enumerate(rows):
         m = masks[i]
         assert m is not None
-        packed[n, : len(m)] = np.frombuffer(m, dtype=np.uint8)
-    bits = np.unpackbits(packed, axis=1, count=vocab_size, bitorder="little")
-    return torch.tensor(rows, device=device), torch.from_numpy(bits).to(device=device, dtype=torch.bool)
-
-
-def _mask_rows_(logits: torch.Tensor, allowed: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """-inf in place at every token the grammar rows may not take (`logits` float32, a copy)."""
-    rows, mask = allowed
-    logits[rows] = logits[rows].masked_fill_(~mask, float("-inf"))
+        k = min(len(m), nbytes)
+        packed[n, :k] = np.frombuffer(m, dtype=np.uint8, count=k)
+    bias = _BYTE_MASKS.index_select(0, torch.from_numpy(packed).view(-1).long()).view(len(rows), nbytes * 8)
+    if nbytes * 8 != vocab_size:
+        bias = bias[:, :vocab_size].contiguous()
+    return torch.tensor(rows, device=device), bias.to(device)
 
 
 @dataclass(slots=True)
@@ -222,8 +230,8 @@ class Sampler:
         if md.all_greedy and md.max_num_logprobs is None and md.penalties is None:
             token_ids = greedy(logits)
             if md.allowed is not None:  # only the grammar rows are widened and masked
-                rows, mask = md.allowed
-                token_ids[rows] = greedy(logits[rows].to(torch.float32).masked_fill_(~mask, float("-inf")))
+                rows, bias = md.allowed
+                token_ids[rows] = greedy(logits.index_select(0, rows).to(torch.float32).add_(bias))
             return SamplerOutput(token_ids=token_ids, logprobs=None, logprob_token_ids=None)
         raw = logits  # the logprobs' source
         changed = md.penalties is not None or md.allowed is not None
@@ -231,7 +239,7 @@ class Sampler:
         if md.penalties is not None:
             md.penalties.apply_(logits)
         if md.allowed is not None:
-            _mask_rows_(logits, md.allowed)
+            logits.index_add_(0, *md.allowed)
         greedy_ids = greedy(logits)
         if md.all_greedy:
             token_ids = greedy_ids
@@ -273,7 +281,7 @@ class Sampler:
         if md.penalties is not None:
             md.penalties.apply_(logits)
         if md.allowed is not None:
-            _mask_rows_(logits, md.allowed)
+            logits.index_add_(0, *md.allowed)
         greedy_ids = greedy(logits).tolist()
         starts, d_starts = [0], [0]
         for k in num_drafts:

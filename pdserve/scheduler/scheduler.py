@@ -41,6 +41,7 @@ from pdserve.kv.block_manager import BlockManager, HostBlockPool
 from pdserve.request import FinishReason, Request, RequestStatus
 from pdserve.scheduler.policies import Policy, StepPlan
 from pdserve.scheduler.step_model import StepTimeModel
+from pdserve.structured import bitmasks
 
 
 @dataclass(slots=True)
@@ -79,6 +80,8 @@ class SchedulerOutput:
     def to_batch(self) -> Batch:
         """A snapshot of what runs this step, for the executor (token ids, positions, block tables)."""
         requests = []
+        constrained = [s.req for s in self.scheduled if s.req.grammar is not None and s.samples]
+        masks = dict(zip(map(id, constrained), bitmasks([r.grammar for r in constrained]))) if constrained else {}
         for s in self.scheduled:  # (the properties of ScheduledRequest inlined: this runs every step)
             req = s.req
             start = req.num_computed_tokens
@@ -97,7 +100,7 @@ class SchedulerOutput:
                     stop_ids = (*(() if params.ignore_eos else req.eos_token_ids), *params.stop_token_ids)
             if params.prompt_logprobs is not None and start < len(req.prompt_token_ids) - 1:
                 targets = req.prompt_token_ids[start + 1 : end + 1]
-            allowed = req.grammar.bitmask() if samples and req.grammar is not None else None
+            allowed = masks.get(id(req)) if masks else None
             requests.append(BatchRequest(
                 req.req_id, token_ids, start, list(req.block_ids), samples, num_spec, params, history, stop_ids,
                 targets, allowed,

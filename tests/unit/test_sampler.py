@@ -399,9 +399,11 @@ def test_unpack_allowed_reads_the_packed_bits():
     v = 70
     got = unpack_allowed([None, pack([0, 31, 32, 33, 69], v), None, pack([5], v)[:4]], v, torch.device("cpu"))
     assert got is not None
-    rows, mask = got
+    rows, bias = got
     assert rows.tolist() == [1, 3]
-    assert mask.shape == (2, v)
+    assert bias.shape == (2, v) and bias.dtype == torch.float32
+    assert set(bias.unique().tolist()) == {0.0, float("-inf")}
+    mask = bias == 0
     assert mask[0].nonzero().flatten().tolist() == [0, 31, 32, 33, 69]
     assert mask[1].nonzero().flatten().tolist() == [5]  # past a short mask's end: not allowed
     assert unpack_allowed([None, None], v, torch.device("cpu")) is None
