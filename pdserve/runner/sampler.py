@@ -228,9 +228,13 @@ class Sampler:
         modifies `logits`. An all-greedy batch without logprobs or penalties takes the argmax of the rows
         as given: widening 16-bit values to float32 is exact, so the argmax is the same, without the copy."""
         if md.all_greedy and md.max_num_logprobs is None and md.penalties is None:
-            token_ids = greedy(logits)
-            if md.allowed is not None:  # only the grammar rows are widened and masked
+            if md.allowed is None:
+                token_ids = greedy(logits)
+            elif md.allowed[0].numel() == logits.shape[0]:  # every row under a grammar
+                token_ids = greedy(logits.to(torch.float32, copy=True).add_(md.allowed[1]))
+            else:  # only the grammar rows are widened and masked
                 rows, bias = md.allowed
+                token_ids = greedy(logits)
                 token_ids[rows] = greedy(logits.index_select(0, rows).to(torch.float32).add_(bias))
             return SamplerOutput(token_ids=token_ids, logprobs=None, logprob_token_ids=None)
         raw = logits  # the logprobs' source

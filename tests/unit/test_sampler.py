@@ -447,3 +447,15 @@ def test_verify_masks_the_grammar_rows():
     tokens, _ = Sampler().verify(logits, md, [0, 0, 0], [], {})
     assert tokens[1] == [max((7, 8), key=lambda t: float(logits[1, t]))]
     assert tokens[0] == [int(logits[0].argmax())] and tokens[2] == [int(logits[2].argmax())]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_batch_all_under_grammars_takes_the_best_allowed_tokens(dtype):
+    v = 100
+    logits = torch.randn(3, v, generator=torch.Generator().manual_seed(5)).to(dtype)
+    before = logits.clone()
+    allowed = [[1, 2, 3], [50], list(range(0, 100, 7))]
+    md = SamplingMetadata.from_params([SamplingParams(temperature=0)] * 3, {}, v, CPU, allowed=[pack(a, v) for a in allowed])
+    ids = Sampler()(logits, md).token_ids.tolist()
+    assert ids == [max(a, key=lambda t: float(logits[i, t])) for i, a in enumerate(allowed)]
+    assert torch.equal(logits, before)
