@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.errors import InvalidRequestError, ModelLoadError, PdserveError
 from pdserve.request import SamplingParams
+from pdserve.structured import StructuredOutputs
 
 if TYPE_CHECKING:
     from pdserve.engine.llm import LLM
@@ -31,6 +32,7 @@ __all__ = [
     "PdserveError",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputs",
 ]
 __version__ = "0.1.0"
 

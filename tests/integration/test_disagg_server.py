@@ -142,6 +142,18 @@ def test_serve_disagg_one_command(colocated):
     with ServerProcess(tiny_server_args("--disagg", "1p1d"), env=quiet_env()) as s:
         assert completion(s.url, PROMPTS[0], stream=True) == completion(colocated, PROMPTS[0])
         assert httpx.get(s.url + "/health").status_code == 200
+        # structured outputs: the prefill instance's first token and the decode instance's rest under one
+        # constraint each compiles for itself
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+                  "required": ["a", "b"]}
+        for extra in ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+                      {"structured_outputs": {"regex": "[a-z]{3,8}-[0-9]{3}"}}):
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "Answer in the format."}],
+                    "max_tokens": 24, "temperature": 0, **extra}
+            got = [httpx.post(url + "/v1/chat/completions", json=body, timeout=60) for url in (s.url, colocated)]
+            assert [r.status_code for r in got] == [200, 200], got[0].text
+            texts = [r.json()["choices"][0]["message"]["content"] for r in got]
+            assert texts[0] == texts[1] and texts[0]
 
 
 async def _stream_until_cut(url: str, prompt: str, max_tokens: int, cut_after: float | None) -> str:
