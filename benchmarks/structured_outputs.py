@@ -8,8 +8,10 @@ Each batch size: that many requests with `--context` random prompt tokens, all c
 `--schema` JSON schema (a long array: no request completes inside the timed steps) or none (ignore_eos), prefilled, two decode steps to warm the shape, then `--steps` decode-only steps timed one
 by one (`engine.step()`, the whole step: schedule with the grammars' bitmasks, forward, sampling, the
 grammars taking their tokens, detokenizing). The two settings alternate `--repeats` times; the best mean
-per setting is kept. The parts: llguidance computing the batch's bitmasks, unpacking them to [rows,
-vocab] bools and masking the logits (timed apart on the same grammars and shapes). Greedy sampling.
+per setting is kept. The parts: llguidance computing the batch's bitmasks, packing them into one
+tensor (`TokenMasks`) and the engine's sampler taking greedy tokens under them, against without (timed
+apart on the same grammars and shapes; the sampler's mask kernels are those the engine measured
+fastest at start: printed). Greedy sampling.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.bench.machine import cpu_flags, cpu_name
-from pdserve.runner.sampler import Sampler, SamplingMetadata, unpack_allowed
+from pdserve.runner.bitmask import TokenMasks
+from pdserve.runner.sampler import SamplingMetadata
 from pdserve.structured import StructuredOutputs, bitmasks
 
 # A list of records (the common case), and a list of strings of at most 8 characters: a length bound on
@@ -70,7 +73,7 @@ def step_times(
 
 def mask_parts(llm: LLM, batch: int, schema: dict, repeats: int = 20) -> dict[str, float]:
     """Milliseconds per step of: the batch's bitmasks (llguidance, each grammar in a fresh state: a
-    matcher keeps the mask of its current state), unpacking them, masking and taking greedy tokens."""
+    matcher keeps the mask of its current state), packing them, masking and taking greedy tokens."""
     eng = llm.engine
     assert eng.grammars is not None
     so = StructuredOutputs(json=schema)
@@ -91,11 +94,11 @@ def mask_parts(llm: LLM, batch: int, schema: dict, repeats: int = 20) -> dict[st
     params = [SamplingParams(temperature=0)] * batch
     t = time.perf_counter()
     for _ in range(repeats):
-        unpack_allowed(masks, vocab, torch.device("cpu"))
-    unpack = (time.perf_counter() - t) / repeats
+        TokenMasks.from_rows(masks, vocab, torch.device("cpu"))
+    pack = (time.perf_counter() - t) / repeats
     md = SamplingMetadata.from_params(params, {}, vocab, torch.device("cpu"), allowed=masks)
     plain = SamplingMetadata.from_params(params, {}, vocab, torch.device("cpu"))
-    sampler = Sampler()
+    sampler = eng.runner.sampler  # with the mask kernels the engine chose
     t = time.perf_counter()
     for _ in range(repeats):
         sampler(logits, md)
@@ -104,7 +107,7 @@ def mask_parts(llm: LLM, batch: int, schema: dict, repeats: int = 20) -> dict[st
     for _ in range(repeats):
         sampler(logits, plain)
     free = (time.perf_counter() - t) / repeats
-    return {"bitmask_ms": bitmask * 1e3, "unpack_ms": unpack * 1e3, "sample_masked_ms": masked * 1e3,
+    return {"bitmask_ms": bitmask * 1e3, "pack_ms": pack * 1e3, "sample_masked_ms": masked * 1e3,
             "sample_plain_ms": free * 1e3}
 
 
@@ -120,11 +123,12 @@ def main() -> None:
     args = ap.parse_args()
 
     llm = LLM(model=args.model, kv_cache_memory_gb=2.0)
+    print(f"mask kernels: {llm.engine.runner.sampler.masks.name}")
     print(f"host: {cpu_name()}, threads {torch.get_num_threads()}, "
           f"flags {' '.join(f for f, on in sorted(cpu_flags().items()) if on)}")
     llm.engine.grammars.compile(StructuredOutputs(json_object=True))  # type: ignore[union-attr]  (token table)
     rows = []
-    print(f"{'batch':>5} {'plain ms':>9} {'json ms':>9} {'overhead':>9} | {'bitmask':>8} {'unpack':>8} "
+    print(f"{'batch':>5} {'plain ms':>9} {'json ms':>9} {'overhead':>9} | {'bitmask':>8} {'pack':>8} "
           f"{'mask+greedy':>11} {'greedy':>7} (ms per step)")
     for batch in (int(b) for b in args.batches.split(",")):
         best = {False: float("inf"), True: float("inf")}
@@ -138,7 +142,7 @@ def main() -> None:
         row = {"batch": batch, "plain_ms": plain, "json_ms": con, "overhead": con / plain - 1, **parts}
         rows.append(row)
         print(f"{batch:>5} {plain:>9.2f} {con:>9.2f} {100 * row['overhead']:>8.1f}% | {parts['bitmask_ms']:>8.2f} "
-              f"{parts['unpack_ms']:>8.2f} {parts['sample_masked_ms']:>11.2f} {parts['sample_plain_ms']:>7.2f}")
+              f"{parts['pack_ms']:>8.2f} {parts['sample_masked_ms']:>11.2f} {parts['sample_plain_ms']:>7.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"host": cpu_name(), "flags": sorted(f for f, on in cpu_flags().items() if on), "threads": torch.get_num_threads(),

@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from pdserve.request import SamplingParams
+from pdserve.runner.bitmask import MaskKernels, TokenMasks
 
 # Temperatures below this are treated as greedy: dividing by them overflows float32 logits.
 _MIN_TEMPERATURE = 1e-5
@@ -125,9 +125,8 @@ class SamplingMetadata:
     all_greedy: bool
     max_num_logprobs: int | None  # max over rows of params.logprobs; None if no row wants logprobs
     penalties: Penalties | None = None  # None when no row has a penalty or a logit bias
-    # Rows under a structured-output grammar and, for each, 0 at the tokens it may take and -inf at the
-    # others ([R] int64, [R, V] float32: `unpack_allowed`); None when no row has a grammar.
-    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
+    # The rows under a structured-output grammar and the tokens each may take; None when no row has one.
+    allowed: TokenMasks | None = None
 
     @classmethod
     def from_params(
@@ -165,40 +164,8 @@ class SamplingMetadata:
             all_greedy=all(t == 0.0 for t in temperature),
             max_num_logprobs=max(wanted) if wanted else None,
             penalties=Penalties.from_rows(params, histories or [None] * len(params), vocab_size, device),
-            allowed=unpack_allowed(allowed, vocab_size, device) if allowed else None,
+            allowed=TokenMasks.from_rows(allowed, vocab_size, device) if allowed else None,
         )
-
-
-# Byte value -> its 8 tokens' additive mask (bit j of the byte: token j of the 8 allowed -> 0, else -inf).
-_BYTE_MASKS = torch.where(
-    torch.tensor(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little"), dtype=torch.bool),
-    0.0,
-    float("-inf"),
-)
-
-
-def unpack_allowed(
-    masks: Sequence[bytes | None], vocab_size: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The rows that have a packed mask (bit t % 8 of byte t // 8 allows token t) and, for those rows, a
-    float32 [R, vocab_size] that is 0 at allowed tokens and -inf elsewhere (tokens past a mask's end are
-    not allowed). Built by looking each byte up in a 256 x 8 table: one pass, where torch's masked_fill
-    and where over a bool mask took 3.5-5 ms at 64 rows of SmolLM2's 49,152 tokens on host G (this: 0.4).
-    None when no row has a mask."""
-    rows = [i for i, m in enumerate(masks) if m is not None]
-    if not rows:
-        return None
-    nbytes = (vocab_size + 7) // 8
-    packed = np.zeros((len(rows), nbytes), dtype=np.uint8)
-    for n, i in enumerate(rows):
-        m = masks[i]
-        assert m is not None
-        k = min(len(m), nbytes)
-        packed[n, :k] = np.frombuffer(m, dtype=np.uint8, count=k)
-    bias = _BYTE_MASKS.index_select(0, torch.from_numpy(packed).view(-1).long()).view(len(rows), nbytes * 8)
-    if nbytes * 8 != vocab_size:
-        bias = bias[:, :vocab_size].contiguous()
-    return torch.tensor(rows, device=device), bias.to(device)
 
 
 @dataclass(slots=True)
@@ -218,10 +185,12 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    """Stateless apart from `generator`, which feeds the noise of every unseeded random row."""
+    """Stateless apart from `generator`, which feeds the noise of every unseeded random row. `masks`: how
+    structured-output masks are applied (`choose_mask_kernels`; torch's ops by default)."""
 
-    def __init__(self, generator: torch.Generator | None = None) -> None:
+    def __init__(self, generator: torch.Generator | None = None, masks: MaskKernels | None = None) -> None:
         self.generator = generator
+        self.masks = masks or MaskKernels()
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """Samples one token per row of `logits` [N, V] (float32 or the model's 16-bit dtype); never
@@ -230,12 +199,11 @@ class Sampler:
         if md.all_greedy and md.max_num_logprobs is None and md.penalties is None:
             if md.allowed is None:
                 token_ids = greedy(logits)
-            elif md.allowed[0].numel() == logits.shape[0]:  # every row under a grammar
-                token_ids = greedy(logits.to(torch.float32, copy=True).add_(md.allowed[1]))
-            else:  # only the grammar rows are widened and masked
-                rows, bias = md.allowed
+            elif md.allowed.rows.numel() == logits.shape[0]:  # every row under a grammar
+                token_ids = self.masks.argmax(logits, md.allowed)
+            else:
                 token_ids = greedy(logits)
-                token_ids[rows] = greedy(logits.index_select(0, rows).to(torch.float32).add_(bias))
+                token_ids[md.allowed.rows] = self.masks.argmax(logits, md.allowed)
             return SamplerOutput(token_ids=token_ids, logprobs=None, logprob_token_ids=None)
         raw = logits  # the logprobs' source
         changed = md.penalties is not None or md.allowed is not None
@@ -243,7 +211,7 @@ class Sampler:
         if md.penalties is not None:
             md.penalties.apply_(logits)
         if md.allowed is not None:
-            logits.index_add_(0, *md.allowed)
+            self.masks.apply_(logits, md.allowed)
         greedy_ids = greedy(logits)
         if md.all_greedy:
             token_ids = greedy_ids
@@ -285,7 +253,7 @@ class Sampler:
         if md.penalties is not None:
             md.penalties.apply_(logits)
         if md.allowed is not None:
-            logits.index_add_(0, *md.allowed)
+            self.masks.apply_(logits, md.allowed)
         greedy_ids = greedy(logits).tolist()
         starts, d_starts = [0], [0]
         for k in num_drafts:

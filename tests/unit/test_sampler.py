@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -393,26 +394,39 @@ def pack(allowed: list[int], vocab_size: int) -> bytes:
     return b"".join(w.to_bytes(4, "little") for w in words)
 
 
-def test_unpack_allowed_reads_the_packed_bits():
-    from pdserve.runner.sampler import unpack_allowed
+def test_token_masks_read_the_packed_bits():
+    from pdserve.runner.bitmask import TokenMasks
 
     v = 70
-    got = unpack_allowed([None, pack([0, 31, 32, 33, 69], v), None, pack([5], v)[:4]], v, torch.device("cpu"))
+    got = TokenMasks.from_rows([None, pack([0, 31, 32, 33, 69], v), None, pack([5], v)[:4]], v, torch.device("cpu"))
     assert got is not None
-    rows, bias = got
-    assert rows.tolist() == [1, 3]
+    assert got.rows.tolist() == [1, 3]
+    assert got.packed.shape == (2, 3) and got.packed.dtype == torch.int32
+    bias = got.bias(v)
     assert bias.shape == (2, v) and bias.dtype == torch.float32
     assert set(bias.unique().tolist()) == {0.0, float("-inf")}
     mask = bias == 0
     assert mask[0].nonzero().flatten().tolist() == [0, 31, 32, 33, 69]
     assert mask[1].nonzero().flatten().tolist() == [5]  # past a short mask's end: not allowed
-    assert unpack_allowed([None, None], v, torch.device("cpu")) is None
+    assert TokenMasks.from_rows([None, None], v, torch.device("cpu")) is None
+
+
+@pytest.fixture(params=["torch", "cpp"])
+def mask_kernels(request):
+    from pdserve.runner.bitmask import MaskKernels, load_kernels
+
+    if request.param == "torch":
+        return MaskKernels(None)
+    ext = load_kernels()
+    if ext is None:
+        pytest.skip("the token-mask kernels need AVX-512 (F, BW, VL) and a C++ compiler")
+    return MaskKernels(ext)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("logprobs", [None, 2])
-def test_grammar_rows_take_only_allowed_tokens(dtype, temperature, logprobs):
+def test_grammar_rows_take_only_allowed_tokens(dtype, temperature, logprobs, mask_kernels):
     """Greedy rows take the best allowed token, random rows draw only allowed ones, on the all-greedy
     fast path and the general one; other rows and the logprobs are untouched."""
     v = 300
@@ -425,7 +439,7 @@ def test_grammar_rows_take_only_allowed_tokens(dtype, temperature, logprobs):
     )
     plain = Sampler(torch.Generator().manual_seed(0))(logits, SamplingMetadata.from_params(params, {}, v, torch.device("cpu")))
     for _ in range(20 if temperature else 1):
-        out = Sampler(torch.Generator().manual_seed(_))(logits, md)
+        out = Sampler(torch.Generator().manual_seed(_), mask_kernels)(logits, md)
         ids = out.token_ids.tolist()
         assert ids[0] in allowed and ids[2] == 9
         if temperature == 0.0:
@@ -439,23 +453,59 @@ def test_grammar_rows_take_only_allowed_tokens(dtype, temperature, logprobs):
         assert out.logprob_token_ids[0, 1:].tolist() == raw[0].topk(2).indices.tolist()
 
 
-def test_verify_masks_the_grammar_rows():
+def test_verify_masks_the_grammar_rows(mask_kernels):
     v = 50
     logits = torch.randn(3, v, generator=torch.Generator().manual_seed(4))
     params = [SamplingParams(temperature=0)] * 3
     md = SamplingMetadata.from_params(params, {}, v, torch.device("cpu"), allowed=[None, pack([7, 8], v), None])
-    tokens, _ = Sampler().verify(logits, md, [0, 0, 0], [], {})
+    tokens, _ = Sampler(masks=mask_kernels).verify(logits, md, [0, 0, 0], [], {})
     assert tokens[1] == [max((7, 8), key=lambda t: float(logits[1, t]))]
     assert tokens[0] == [int(logits[0].argmax())] and tokens[2] == [int(logits[2].argmax())]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_batch_all_under_grammars_takes_the_best_allowed_tokens(dtype):
+def test_a_batch_all_under_grammars_takes_the_best_allowed_tokens(dtype, mask_kernels):
     v = 100
     logits = torch.randn(3, v, generator=torch.Generator().manual_seed(5)).to(dtype)
     before = logits.clone()
     allowed = [[1, 2, 3], [50], list(range(0, 100, 7))]
     md = SamplingMetadata.from_params([SamplingParams(temperature=0)] * 3, {}, v, CPU, allowed=[pack(a, v) for a in allowed])
-    ids = Sampler()(logits, md).token_ids.tolist()
+    ids = Sampler(masks=mask_kernels)(logits, md).token_ids.tolist()
     assert ids == [max(a, key=lambda t: float(logits[i, t])) for i, a in enumerate(allowed)]
     assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("v", [16, 31, 100, 1000, 49_157])
+def test_mask_kernels_equal_torchs_ops(dtype, v):
+    """The C++ kernels against torch's ops: random and sparse masks, ties, NaN, an empty mask, vocabularies
+    that are no multiple of 16 or 32, rows in any order."""
+    from pdserve.runner.bitmask import MaskKernels, TokenMasks, load_kernels
+
+    ext = load_kernels()
+    if ext is None:
+        pytest.skip("the token-mask kernels need AVX-512 (F, BW, VL) and a C++ compiler")
+    g = torch.Generator().manual_seed(v)
+    n = 9
+    logits = torch.randn(n, v, generator=g).to(dtype)
+    logits[2, : v // 2] = 1.0  # ties: the first allowed one wins
+    logits[5, v // 3] = float("nan")
+    allowed = [
+        torch.randint(0, v, (v // 2,), generator=g).tolist(),
+        [v - 1],
+        list(range(v)),
+        list(range(v // 3, v, 5)),
+        [],  # nothing allowed: index 0, as torch's max over -inf
+        list(range(v)),  # a NaN among the allowed
+        [0, v - 1],
+        torch.randint(0, v, (3,), generator=g).tolist(),
+    ]
+    rows = [7, 0, 2, 3, 8, 5, 1, 4]
+    masks = TokenMasks(torch.tensor(rows), torch.tensor(
+        [list(np.frombuffer(pack(a, v), dtype=np.int32)) for a in allowed], dtype=torch.int32))
+    cpp, ref = MaskKernels(ext), MaskKernels(None)
+    assert cpp.argmax(logits, masks).tolist() == ref.argmax(logits, masks).tolist()
+    a, b = logits.float(), logits.float()
+    cpp.apply_(a, masks)
+    ref.apply_(b, masks)
+    assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
