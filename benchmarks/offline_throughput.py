@@ -2,10 +2,11 @@
 
     .venv/bin/python benchmarks/offline_throughput.py [--num-prompts 200] [--hf-num-prompts 32]
 
-1. pdserve on N ShareGPT requests (seed 0, output lengths from the dataset, ignore_eos, greedy):
-   requests/s, total and output tokens/s (the workload vLLM's `bench throughput` runs).
+1. pdserve on N ShareGPT requests (seed 0, output lengths from the dataset, ignore_eos, temperature 1.0
+   and top_p 1.0 as vLLM's `bench throughput` samples; `--temperature 0`: greedy): requests/s, total and
+   output tokens/s (the workload vLLM's `bench throughput` runs).
 2. The same first `--hf-num-prompts` requests through transformers `generate` (batched, left-padded)
-   and through pdserve, in this run, as a ratio.
+   and through pdserve, both greedy, in this run, as a ratio.
 3. Prefill and decode tokens/s at batch 1, 8, 32, 64 with the fraction of this machine's measured
    roof: matmul FLOP/s for prefill, memory bandwidth for decode at batch 1.
 Prints the bf16 linear kernel table in use (`--linear-kernel auto`: measured per row count on this host,
@@ -28,11 +29,11 @@ from pdserve.bench.datasets import SampleRequest, sample_sharegpt
 from pdserve.bench.machine import cpu_flags, cpu_name, measure_machine
 
 
-def run_pdserve(llm: LLM, reqs: list[SampleRequest]) -> dict:
+def run_pdserve(llm: LLM, reqs: list[SampleRequest], temperature: float = 1.0) -> dict:
     eng = llm.engine
     eng.block_manager.reset_prefix_cache()  # a fair run never reuses an earlier run's prompts
     n0 = len(eng.step_records)
-    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in reqs]
+    params = [SamplingParams(temperature=temperature, top_p=1.0, max_tokens=r.output_len, ignore_eos=True) for r in reqs]
     t0 = time.perf_counter()
     outs = llm.generate([r.prompt for r in reqs], params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
@@ -164,6 +165,8 @@ def main() -> None:
     ap.add_argument("--kernel-cache-dir", default=None, help="measured kernel choices (default ~/.cache/pdserve; '' none)")
     ap.add_argument("--weight-dtype", default="auto", help="auto | bfloat16 | int8 (8-bit projections and head)")
     ap.add_argument("--speculative-config", default=None, help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    ap.add_argument("--temperature", type=float, default=1.0,
+                    help="1.0 (with top_p 1.0) is what vLLM's `bench throughput` samples with; 0: greedy")
     ap.add_argument("--out", default="results/offline_throughput.json")
     args = ap.parse_args()
 
@@ -189,8 +192,9 @@ def main() -> None:
         "config": vars(args),
     }
     print(f"ShareGPT: {len(reqs)} requests, {sum(r.prompt_len for r in reqs)} input / "
-          f"{sum(r.output_len for r in reqs)} output tokens (seed {args.seed}, ignore_eos, greedy)")
-    full = run_pdserve(llm, reqs)
+          f"{sum(r.output_len for r in reqs)} output tokens (seed {args.seed}, ignore_eos, "
+          f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature:g}'})")
+    full = run_pdserve(llm, reqs, args.temperature)
     result["pdserve"] = full
     print(f"pdserve      : {full['requests_per_s']:.2f} req/s, {full['total_tokens_per_s']:.0f} total tok/s, "
           f"{full['output_tokens_per_s']:.0f} output tok/s ({full['elapsed_s']:.1f} s, {full['num_steps']} steps, "
@@ -198,7 +202,7 @@ def main() -> None:
 
     if args.hf_num_prompts:
         sub = reqs[: args.hf_num_prompts]
-        ours = run_pdserve(llm, sub)
+        ours = run_pdserve(llm, sub, 0.0)  # transformers' generate runs greedy
         hf = run_transformers(llm.engine.model_name, sub, tok, args.hf_batch_size, llm.engine.dtype)
         result["subset"] = {"pdserve": ours, "transformers": hf,
                             "ratio_output_tokens_per_s": ours["output_tokens_per_s"] / hf["output_tokens_per_s"]}

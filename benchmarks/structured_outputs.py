@@ -25,7 +25,7 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.bench.machine import cpu_flags, cpu_name
-from pdserve.runner.bitmask import TokenMasks
+from pdserve.runner.kernels import TokenMasks
 from pdserve.runner.sampler import SamplingMetadata
 from pdserve.structured import StructuredOutputs, bitmasks
 
@@ -123,7 +123,7 @@ def main() -> None:
     args = ap.parse_args()
 
     llm = LLM(model=args.model, kv_cache_memory_gb=2.0)
-    print(f"mask kernels: {llm.engine.runner.sampler.masks.name}")
+    print(f"sampling kernels: {llm.engine.runner.sampler.kernels.name}")
     print(f"host: {cpu_name()}, threads {torch.get_num_threads()}, "
           f"flags {' '.join(f for f, on in sorted(cpu_flags().items()) if on)}")
     llm.engine.grammars.compile(StructuredOutputs(json_object=True))  # type: ignore[union-attr]  (token table)

@@ -21,7 +21,7 @@ from pdserve.batch import BatchRequest, ModelOutput
 from pdserve.kv.cache import KVCache
 from pdserve.model.llama import LlamaModel
 from pdserve.request import Request, SamplingParams
-from pdserve.runner.bitmask import choose_mask_kernels
+from pdserve.runner.kernels import choose_sampling_kernels
 from pdserve.runner.sampler import History, Sampler, SamplingMetadata
 from pdserve.scheduler.scheduler import SchedulerOutput
 
@@ -42,8 +42,8 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.vocab_size = model.cfg.vocab_size
         dtype = next(model.parameters()).dtype  # (the logits the sampler gets: upcast=False)
-        masks = choose_mask_kernels(self.vocab_size, dtype, device)
-        self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed), masks)
+        kernels = choose_sampling_kernels(self.vocab_size, dtype, device)
+        self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed), kernels)
         self._generators: dict[str, torch.Generator] = {}  # req_id -> generator of a seeded request
 
     def apply_swaps(self, swap_in: list[tuple[int, int]], swap_out: list[tuple[int, int]]) -> None:

@@ -395,7 +395,7 @@ def pack(allowed: list[int], vocab_size: int) -> bytes:
 
 
 def test_token_masks_read_the_packed_bits():
-    from pdserve.runner.bitmask import TokenMasks
+    from pdserve.runner.kernels import TokenMasks
 
     v = 70
     got = TokenMasks.from_rows([None, pack([0, 31, 32, 33, 69], v), None, pack([5], v)[:4]], v, torch.device("cpu"))
@@ -412,21 +412,21 @@ def test_token_masks_read_the_packed_bits():
 
 
 @pytest.fixture(params=["torch", "cpp"])
-def mask_kernels(request):
-    from pdserve.runner.bitmask import MaskKernels, load_kernels
+def sampling_kernels(request):
+    from pdserve.runner.kernels import SamplingKernels, load_kernels
 
     if request.param == "torch":
-        return MaskKernels(None)
+        return SamplingKernels(None)
     ext = load_kernels()
     if ext is None:
-        pytest.skip("the token-mask kernels need AVX-512 (F, BW, VL) and a C++ compiler")
-    return MaskKernels(ext)
+        pytest.skip("the sampling kernels need AVX-512 (F, BW, VL) and a C++ compiler")
+    return SamplingKernels(ext)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("logprobs", [None, 2])
-def test_grammar_rows_take_only_allowed_tokens(dtype, temperature, logprobs, mask_kernels):
+def test_grammar_rows_take_only_allowed_tokens(dtype, temperature, logprobs, sampling_kernels):
     """Greedy rows take the best allowed token, random rows draw only allowed ones, on the all-greedy
     fast path and the general one; other rows and the logprobs are untouched."""
     v = 300
@@ -439,7 +439,7 @@ def test_grammar_rows_take_only_allowed_tokens(dtype, temperature, logprobs, mas
     )
     plain = Sampler(torch.Generator().manual_seed(0))(logits, SamplingMetadata.from_params(params, {}, v, torch.device("cpu")))
     for _ in range(20 if temperature else 1):
-        out = Sampler(torch.Generator().manual_seed(_), mask_kernels)(logits, md)
+        out = Sampler(torch.Generator().manual_seed(_), sampling_kernels)(logits, md)
         ids = out.token_ids.tolist()
         assert ids[0] in allowed and ids[2] == 9
         if temperature == 0.0:
@@ -453,38 +453,38 @@ def test_grammar_rows_take_only_allowed_tokens(dtype, temperature, logprobs, mas
         assert out.logprob_token_ids[0, 1:].tolist() == raw[0].topk(2).indices.tolist()
 
 
-def test_verify_masks_the_grammar_rows(mask_kernels):
+def test_verify_masks_the_grammar_rows(sampling_kernels):
     v = 50
     logits = torch.randn(3, v, generator=torch.Generator().manual_seed(4))
     params = [SamplingParams(temperature=0)] * 3
     md = SamplingMetadata.from_params(params, {}, v, torch.device("cpu"), allowed=[None, pack([7, 8], v), None])
-    tokens, _ = Sampler(masks=mask_kernels).verify(logits, md, [0, 0, 0], [], {})
+    tokens, _ = Sampler(kernels=sampling_kernels).verify(logits, md, [0, 0, 0], [], {})
     assert tokens[1] == [max((7, 8), key=lambda t: float(logits[1, t]))]
     assert tokens[0] == [int(logits[0].argmax())] and tokens[2] == [int(logits[2].argmax())]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_batch_all_under_grammars_takes_the_best_allowed_tokens(dtype, mask_kernels):
+def test_a_batch_all_under_grammars_takes_the_best_allowed_tokens(dtype, sampling_kernels):
     v = 100
     logits = torch.randn(3, v, generator=torch.Generator().manual_seed(5)).to(dtype)
     before = logits.clone()
     allowed = [[1, 2, 3], [50], list(range(0, 100, 7))]
     md = SamplingMetadata.from_params([SamplingParams(temperature=0)] * 3, {}, v, CPU, allowed=[pack(a, v) for a in allowed])
-    ids = Sampler(masks=mask_kernels)(logits, md).token_ids.tolist()
+    ids = Sampler(kernels=sampling_kernels)(logits, md).token_ids.tolist()
     assert ids == [max(a, key=lambda t: float(logits[i, t])) for i, a in enumerate(allowed)]
     assert torch.equal(logits, before)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("v", [16, 31, 100, 1000, 49_157])
-def test_mask_kernels_equal_torchs_ops(dtype, v):
+def test_sampling_kernels_equal_torchs_ops(dtype, v):
     """The C++ kernels against torch's ops: random and sparse masks, ties, NaN, an empty mask, vocabularies
     that are no multiple of 16 or 32, rows in any order."""
-    from pdserve.runner.bitmask import MaskKernels, TokenMasks, load_kernels
+    from pdserve.runner.kernels import SamplingKernels, TokenMasks, load_kernels
 
     ext = load_kernels()
     if ext is None:
-        pytest.skip("the token-mask kernels need AVX-512 (F, BW, VL) and a C++ compiler")
+        pytest.skip("the sampling kernels need AVX-512 (F, BW, VL) and a C++ compiler")
     g = torch.Generator().manual_seed(v)
     n = 9
     logits = torch.randn(n, v, generator=g).to(dtype)
@@ -503,9 +503,47 @@ def test_mask_kernels_equal_torchs_ops(dtype, v):
     rows = [7, 0, 2, 3, 8, 5, 1, 4]
     masks = TokenMasks(torch.tensor(rows), torch.tensor(
         [list(np.frombuffer(pack(a, v), dtype=np.int32)) for a in allowed], dtype=torch.int32))
-    cpp, ref = MaskKernels(ext), MaskKernels(None)
+    cpp, ref = SamplingKernels(ext), SamplingKernels(None)
     assert cpp.argmax(logits, masks).tolist() == ref.argmax(logits, masks).tolist()
     a, b = logits.float(), logits.float()
     cpp.apply_(a, masks)
     ref.apply_(b, masks)
     assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("v", [7, 50, 1000])
+def test_temperature_draws_follow_the_tempered_softmax(sampling_kernels, dtype, v):
+    """Each kernel's inverse-CDF draw: for u on a fine grid, the share of u landing on each token is its
+    probability (the draw is a step function of u), and u -> token is monotone; masked (-inf) tokens are
+    never drawn."""
+    g = torch.Generator().manual_seed(v)
+    row = (torch.randn(v, generator=g) * 3).to(dtype)
+    row[v // 2] = float("-inf")
+    n = 4000
+    for temperature in (0.5, 1.0, 2.0):
+        u = (torch.arange(n, dtype=torch.float32) + 0.5) / n
+        logits = row.expand(n, v).contiguous()
+        ids = sampling_kernels.draw(logits, torch.full((n,), temperature), u)
+        assert (ids[1:] >= ids[:-1]).all()
+        want = torch.softmax(row.float() / temperature, dim=-1)
+        got = torch.bincount(ids, minlength=v).float() / n
+        assert got[v // 2] == 0
+        assert (got - want).abs().max() < 2.0 / n + 1e-4
+
+
+def test_draw_kernel_edge_rows():
+    """NaN: the first NaN; all -inf: token 0; u near 1 never runs past the last possible token."""
+    from pdserve.runner.kernels import SamplingKernels, load_kernels
+
+    ext = load_kernels()
+    if ext is None:
+        pytest.skip("the sampling kernels need AVX-512 (F, BW, VL) and a C++ compiler")
+    k = SamplingKernels(ext)
+    v = 37
+    logits = torch.zeros(3, v)
+    logits[0, 5] = float("nan")
+    logits[1] = float("-inf")
+    logits[2, 30:] = float("-inf")
+    ids = k.draw(logits, torch.ones(3), torch.tensor([0.3, 0.3, 1.0 - 1e-7])).tolist()
+    assert ids == [5, 0, 29]

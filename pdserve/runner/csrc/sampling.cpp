@@ -1,8 +1,11 @@
-// Structured outputs' token masks applied straight from their packed bits (bit t % 32 of 32-bit word
-// t / 32 allows token t), one pass over the logits: the torch sequence (unpack the bits, widen the logits,
-// add a 0 / -inf row, argmax) makes four passes over [rows, vocab] float32 (pdserve/runner/sampler.py).
-// AVX-512 (F, BW, VL) only: 16 tokens per mask register straight from the bits; without it the caller
-// keeps torch's ops.
+// The sampler's kernels for CPUs (pdserve/runner/kernels.py chooses them against torch's ops by
+// measurement). AVX-512 (F, BW, VL) only; without it the caller keeps torch's ops.
+// - Structured outputs' token masks straight from their packed bits (bit t % 32 of 32-bit word t / 32
+//   allows token t), one pass over the logits: the torch sequence (look the bits up, widen the logits, add
+//   a 0 / -inf row, argmax) makes four passes over [rows, vocab] float32.
+// - A draw from softmax(logits / T) by inverse CDF without a [rows, vocab] tensor: the row's max, the sum
+//   of exp((x - max) / T), then the running sum up to u x that sum; torch's way writes the widened,
+//   divided, softmaxed and cumulated rows (four [rows, vocab] float32 tensors).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -85,6 +88,79 @@ void apply_row(float* __restrict__ x, const uint32_t* __restrict__ bits, int64_t
     _mm512_mask_storeu_ps(x + full * 16, static_cast<__mmask16>(~m & ((1u << rest) - 1)), ninf);
   }
 }
+
+// exp(x) for 16 float32 lanes: x = n ln2 + r (Cody-Waite), exp(r) by its degree-7 Taylor polynomial,
+// times 2^n by vscalefps (overflow inf, underflow 0); the polynomial of fused_ops.cpp's exp_ps.
+inline __m512 exp16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9841270e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3888889e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3333333e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1666667e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666667e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// The token t with the first running sum of p_0 .. p_t above u * sum(p), p = exp((x - max) / T) (torch's
+// searchsorted(cumsum, u * total, right=True)); the first NaN if the row has one; 0 if the row is all -inf.
+template <typename T>
+int64_t sample_row(const T* __restrict__ x, int64_t V, float inv_t, float u) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const int64_t full = V / 16, rest = V - full * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << rest) - 1);
+  auto chunk = [&](int64_t c) { return c < full ? load16(x + c * 16) : load_tail(x + c * 16, tail); };
+  const int64_t chunks = full + (rest ? 1 : 0);
+  __m512 mx = _mm512_set1_ps(ninf);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const __mmask16 live = c < full ? static_cast<__mmask16>(0xFFFF) : tail;
+    const __m512 v = chunk(c);
+    const __mmask16 nan = _mm512_mask_cmp_ps_mask(live, v, v, _CMP_UNORD_Q);
+    if (nan) return c * 16 + __builtin_ctz(nan);
+    mx = _mm512_mask_max_ps(mx, live, mx, v);
+  }
+  const float m = _mm512_reduce_max_ps(mx);
+  if (m == ninf) return 0;
+  const __m512 mv = _mm512_set1_ps(m), it = _mm512_set1_ps(inv_t);
+  // exp((x - m) / T), exactly 0 for -inf (a masked token) and wherever it would be below e^-103 (the
+  // polynomial's input is clamped there: exp16(-inf) would be NaN)
+  const __m512 lo = _mm512_set1_ps(-103.f);
+  auto probs = [&](int64_t c) {
+    const __mmask16 live = c < full ? static_cast<__mmask16>(0xFFFF) : tail;
+    const __m512 arg = _mm512_mul_ps(_mm512_sub_ps(chunk(c), mv), it);
+    const __mmask16 keep = _mm512_mask_cmp_ps_mask(live, arg, lo, _CMP_GT_OQ);
+    return _mm512_maskz_mov_ps(keep, exp16(_mm512_max_ps(arg, lo)));
+  };
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) acc = _mm512_add_ps(acc, probs(c));
+  const float target = u * _mm512_reduce_add_ps(acc);
+  float run = 0.f;
+  int64_t last = 0;  // the last token of nonzero probability, for a target the running sum never passes
+  alignas(64) float e[16];
+  for (int64_t c = 0; c < chunks; ++c) {
+    const __m512 p = probs(c);
+    const float s = _mm512_reduce_add_ps(p);
+    if (s > 0.f) {
+      _mm512_store_ps(e, p);
+      if (run + s > target) {
+        for (int j = 0; j < 16; ++j) {
+          run += e[j];
+          if (run > target) return c * 16 + j;
+        }
+      } else {
+        run += s;
+      }
+      for (int j = 15; j >= 0; --j)
+        if (e[j] > 0.f) { last = c * 16 + j; break; }
+    }
+  }
+  return last;
+}
 #endif
 
 void check(const torch::Tensor& logits, const torch::Tensor& rows, const torch::Tensor& masks) {
@@ -147,7 +223,35 @@ void apply_bitmask_(torch::Tensor& logits, const torch::Tensor& rows, const torc
 #endif
 }
 
+// One draw per row of `logits` from softmax(row / temperature[row]) with the uniform number u[row].
+torch::Tensor sample_temperature(const torch::Tensor& logits, const torch::Tensor& temperature, const torch::Tensor& u) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.device().is_cpu(), "logits: contiguous [N, V] on CPU");
+  TORCH_CHECK(temperature.scalar_type() == torch::kFloat32 && temperature.numel() == logits.size(0) &&
+              temperature.is_contiguous(), "temperature: float32 [N]");
+  TORCH_CHECK(u.scalar_type() == torch::kFloat32 && u.numel() == logits.size(0) && u.is_contiguous(), "u: float32 [N]");
+  TORCH_CHECK(has_vec(), "sample_temperature needs AVX-512");
+  auto out = torch::empty({logits.size(0)}, torch::kInt64);
+#ifdef PDSERVE_HAVE_VEC
+  const int64_t V = logits.size(1);
+  const float* t = temperature.data_ptr<float>();
+  const float* uu = u.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  const bool bf16 = logits.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(bf16 || logits.scalar_type() == torch::kFloat32, "logits: float32 or bfloat16");
+  const void* base = logits.data_ptr();
+  at::parallel_for(0, logits.size(0), 4, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const float inv_t = 1.f / t[i];
+      o[i] = bf16 ? sample_row(static_cast<const at::BFloat16*>(base) + i * V, V, inv_t, uu[i])
+                  : sample_row(static_cast<const float*>(base) + i * V, V, inv_t, uu[i]);
+    }
+  });
+#endif
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("sample_temperature", &sample_temperature, "one inverse-CDF draw per row from softmax(row / T)");
   m.def("has_vec", &has_vec, "whether this build has the AVX-512 kernels");
   m.def("masked_argmax", &masked_argmax, "argmax of each listed row over the tokens its packed mask allows");
   m.def("apply_bitmask_", &apply_bitmask_, "-inf in place where each listed row's packed mask is 0");
