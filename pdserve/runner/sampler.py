@@ -123,6 +123,7 @@ class SamplingMetadata:
     min_p: torch.Tensor | None  # [N] float32, 0.0 where off; None when no row uses it
     generators: dict[int, torch.Generator]  # row -> generator of a seeded request
     all_greedy: bool
+    any_greedy: bool
     max_num_logprobs: int | None  # max over rows of params.logprobs; None if no row wants logprobs
     penalties: Penalties | None = None  # None when no row has a penalty or a logit bias
     # The rows under a structured-output grammar and the tokens each may take; None when no row has one.
@@ -162,6 +163,7 @@ class SamplingMetadata:
             min_p=torch.tensor(min_p, dtype=torch.float32, device=device) if uses_min_p else None,
             generators=generators,
             all_greedy=all(t == 0.0 for t in temperature),
+            any_greedy=any(t == 0.0 for t in temperature),
             max_num_logprobs=max(wanted) if wanted else None,
             penalties=Penalties.from_rows(params, histories or [None] * len(params), vocab_size, device),
             allowed=TokenMasks.from_rows(allowed, vocab_size, device) if allowed else None,
@@ -208,20 +210,24 @@ class Sampler:
             return SamplerOutput(token_ids=token_ids, logprobs=None, logprob_token_ids=None)
         raw = logits  # the logprobs' source
         changed = md.penalties is not None or md.allowed is not None
-        logits = logits.to(torch.float32, copy=changed)
+        # Widened to float32 unless only the C++ draw kernel reads them (it reads the model's dtype).
+        plain_draws = md.top_k is None and md.top_p is None and md.min_p is None
+        if changed or not (self.kernels.draws_in_cpp and plain_draws and not md.any_greedy):
+            logits = logits.to(torch.float32, copy=changed)
         if md.penalties is not None:
             md.penalties.apply_(logits)
         if md.allowed is not None:
             self.kernels.apply_(logits, md.allowed)
-        greedy_ids = greedy(logits)
         if md.all_greedy:
-            token_ids = greedy_ids
-        else:
-            token_ids = torch.where(md.temperature == 0.0, greedy_ids, self._sample(logits, md))
+            token_ids = greedy(logits)
+        elif md.any_greedy:
+            token_ids = torch.where(md.temperature == 0.0, greedy(logits), self._sample(logits, md))
+        else:  # (no argmax to compute)
+            token_ids = self._sample(logits, md)
 
         if md.max_num_logprobs is None:
             return SamplerOutput(token_ids=token_ids, logprobs=None, logprob_token_ids=None)
-        raw_logprobs = torch.log_softmax(raw.to(torch.float32) if changed else logits, dim=-1)
+        raw_logprobs = torch.log_softmax(raw.to(torch.float32), dim=-1)
         top_logprobs, top_ids = raw_logprobs.topk(min(md.max_num_logprobs, logits.shape[-1]), dim=-1)
         sampled = token_ids.unsqueeze(-1)
         return SamplerOutput(
