@@ -24,8 +24,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from pdserve.errors import InvalidRequestError
 
 # Bound on the text of one constraint (schema, regex, grammar, choices together), in characters.
@@ -64,7 +62,10 @@ class StructuredOutputs:
         if self.json is not None:
             if not isinstance(self.json, (dict, str)):
                 raise InvalidRequestError("structured_outputs.json must be a JSON schema (an object or its text)")
-            size = len(self.json) if isinstance(self.json, str) else len(_dumps(self.json))
+            try:
+                size = len(self.json) if isinstance(self.json, str) else len(_dumps(self.json))
+            except (TypeError, ValueError, RecursionError):  # not JSON-serialisable, or nested too deeply
+                raise InvalidRequestError("structured_outputs.json must be a JSON schema of JSON values") from None
         for name in ("regex", "grammar"):
             v = getattr(self, name)
             if v is not None:
@@ -142,6 +143,8 @@ def bitmasks(grammars: Sequence[Grammar]) -> list[bytes]:
     64 calls of the matcher's own `compute_bitmask`. Grammars of one compiler."""
     if not grammars:
         return []
+    import numpy as np  # (here: the control plane imports this module, and only constrained steps need it)
+
     compiler = grammars[0]._compiler
     assert all(g._compiler is compiler for g in grammars), "grammars of one engine's compiler"
     words = (compiler.table_vocab_size + 31) // 32

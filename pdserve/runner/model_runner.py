@@ -41,8 +41,8 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_cache.block_size
         self.vocab_size = model.cfg.vocab_size
-        dtype = next(model.parameters()).dtype  # (the logits the sampler gets: upcast=False)
-        kernels = choose_sampling_kernels(self.vocab_size, dtype, device)
+        # (the logits the sampler gets, upcast=False, are in the activations' dtype: the embedding's)
+        kernels = choose_sampling_kernels(self.vocab_size, model.embed.dtype, device)
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed), kernels)
         self._generators: dict[str, torch.Generator] = {}  # req_id -> generator of a seeded request
 

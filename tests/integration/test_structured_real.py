@@ -5,15 +5,14 @@ own (transformers masks the logits in its loop, pdserve in its sampler)."""
 from __future__ import annotations
 
 import json
-import os
 
 import llguidance
 import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.model.loader import default_model_path
 from pdserve.structured import StructuredOutputs
+from tests.integration.test_real_model import hf, llm  # noqa: F401 (the module's fixtures: SmolLM2 and transformers' copy)
 
 pytestmark = pytest.mark.real_model
 transformers = pytest.importorskip("transformers")
@@ -37,20 +36,6 @@ CASES = [
     ("Is Python a compiled language? Answer yes or no.", StructuredOutputs(choice=["yes", "no"])),
 ]
 MAX_TOKENS = 64
-
-
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(dtype="float32", device="cpu", kv_cache_memory_gb=0.5)
-
-
-@pytest.fixture(scope="module")
-def hf():
-    path = default_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    )
-    return model.eval()
 
 
 def hf_constrained(hf, llm: LLM, ids: list[int], so: StructuredOutputs) -> list[int]:  # type: ignore[no-untyped-def]

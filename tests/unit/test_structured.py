@@ -10,6 +10,13 @@ from pdserve.structured import MAX_SPEC_CHARS, GrammarCompiler, StructuredOutput
 from tests.support.tiny_tokenizer import tiny_tokenizer
 
 
+def _nested(depth: int) -> dict:
+    d: dict = {}
+    for _ in range(depth):
+        d = {"items": d}
+    return d
+
+
 @pytest.mark.parametrize(
     "kw, message",
     [
@@ -24,6 +31,8 @@ from tests.support.tiny_tokenizer import tiny_tokenizer
         (dict(json=[1, 2]), "JSON schema"),
         (dict(regex="a" * (MAX_SPEC_CHARS + 1)), "longer than"),
         (dict(json={"enum": ["x" * MAX_SPEC_CHARS]}), "longer than"),
+        (dict(json={"const": object()}), "JSON values"),
+        (dict(json=_nested(100_000)), "JSON values"),
     ],
 )
 def test_bad_constraints_are_refused(kw, message):
