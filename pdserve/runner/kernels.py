@@ -75,33 +75,17 @@ class SamplingKernels:
     `ext` or torch's ops (`masks_in_cpp`, `draws_in_cpp`; `choose_sampling_kernels` sets them by
     measurement)."""
 
-    def __init__(
-        self, ext: Any | None = None, masks_in_cpp: bool = True, draws_in_cpp: bool = True,
-        greedy_in_cpp: bool = True,
-    ) -> None:
+    def __init__(self, ext: Any | None = None, masks_in_cpp: bool = True, draws_in_cpp: bool = True) -> None:
         self.ext = ext
         self.masks_in_cpp = ext is not None and masks_in_cpp
         self.draws_in_cpp = ext is not None and draws_in_cpp
-        self.greedy_in_cpp = ext is not None and greedy_in_cpp
-        self._all_allowed: torch.Tensor | None = None  # [rows, words] of -1: every token, for `greedy`
 
     @property
     def name(self) -> str:
         def which(cpp: bool) -> str:
             return "C++ (AVX-512)" if cpp else "torch"
 
-        return (f"masks {which(self.masks_in_cpp)}, temperature draws {which(self.draws_in_cpp)}, "
-                f"greedy {which(self.greedy_in_cpp)}")
-
-    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
-        """The argmax of each row, first index on ties, NaN the largest (as torch's `max(dim).indices`):
-        torch's, or the masked-argmax kernel with every token allowed (one pass over the 16-bit logits)."""
-        if not (self.greedy_in_cpp and logits.is_cpu and logits.is_contiguous()):
-            return logits.max(dim=-1).indices
-        n, words = logits.shape[0], (logits.shape[1] + 31) // 32
-        if self._all_allowed is None or self._all_allowed.shape[0] < n or self._all_allowed.shape[1] != words:
-            self._all_allowed = torch.full((max(n, 256), words), -1, dtype=torch.int32)
-        return self.ext.masked_argmax(logits, torch.arange(n), self._all_allowed[:n])
+        return f"masks {which(self.masks_in_cpp)}, temperature draws {which(self.draws_in_cpp)}"
 
     def argmax(self, logits: torch.Tensor, masks: TokenMasks) -> torch.Tensor:
         """Per masked row, its best allowed token (first on ties), as greedy over -inf-masked logits;
@@ -174,7 +158,7 @@ def choose_sampling_kernels(
     masks_ok = torch.equal(cpp.argmax(logits, masks), ref.argmax(logits, masks))
     draws_ok = torch.equal(cpp.draw(peaked, temperature, u), torch.arange(rows) % vocab_size)
     if not (masks_ok and draws_ok):
-        logger.warning("sampling kernels disagree with torch's ops (masks %s, draws %s); using torch's there",
+        logger.warning("sampling kernels disagree with torch's ops (masks %s, draws %s); using torch's",
                        masks_ok, draws_ok)
 
     def best_of(f: Any) -> float:
@@ -185,17 +169,11 @@ def choose_sampling_kernels(
             times.append(time.perf_counter() - t)
         return min(times)
 
-    greedy_ok = torch.equal(cpp.greedy(logits), ref.greedy(logits))
     t_masks = (best_of(lambda: cpp.argmax(logits, masks)), best_of(lambda: ref.argmax(logits, masks)))
     t_draws = (best_of(lambda: cpp.draw(logits, temperature, u)), best_of(lambda: ref.draw(logits, temperature, u)))
-    t_greedy = (best_of(lambda: cpp.greedy(logits)), best_of(lambda: ref.greedy(logits)))
-    chosen = SamplingKernels(
-        ext, masks_ok and t_masks[0] < t_masks[1], draws_ok and t_draws[0] < t_draws[1],
-        greedy_ok and t_greedy[0] < t_greedy[1],
-    )
+    chosen = SamplingKernels(ext, masks_ok and t_masks[0] < t_masks[1], draws_ok and t_draws[0] < t_draws[1])
     logger.info(
         "sampling: %s (%d rows x %d tokens: masked greedy C++ %.2f / torch %.2f ms, temperature draw C++ "
-        "%.2f / torch %.2f ms, greedy C++ %.2f / torch %.2f ms)", chosen.name, rows, vocab_size,
-        *(1e3 * t for t in (*t_masks, *t_draws, *t_greedy)),
+        "%.2f / torch %.2f ms)", chosen.name, rows, vocab_size, *(1e3 * t for t in (*t_masks, *t_draws)),
     )
     return chosen

@@ -201,11 +201,11 @@ class Sampler:
         as given: widening 16-bit values to float32 is exact, so the argmax is the same, without the copy."""
         if md.all_greedy and md.max_num_logprobs is None and md.penalties is None:
             if md.allowed is None:
-                token_ids = self.kernels.greedy(logits)
+                token_ids = greedy(logits)
             elif md.allowed.rows.numel() == logits.shape[0]:  # every row under a grammar
                 token_ids = self.kernels.argmax(logits, md.allowed)
             else:
-                token_ids = self.kernels.greedy(logits)
+                token_ids = greedy(logits)
                 token_ids[md.allowed.rows] = self.kernels.argmax(logits, md.allowed)
             return SamplerOutput(token_ids=token_ids, logprobs=None, logprob_token_ids=None)
         raw = logits  # the logprobs' source

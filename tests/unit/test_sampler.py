@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from pdserve.request import SamplingParams
-from pdserve.runner.sampler import Sampler, SamplingMetadata, greedy
+from pdserve.runner.sampler import Sampler, SamplingMetadata
 
 CPU = torch.device("cpu")
 
@@ -547,18 +547,3 @@ def test_draw_kernel_edge_rows():
     logits[2, 30:] = float("-inf")
     ids = k.draw(logits, torch.ones(3), torch.tensor([0.3, 0.3, 1.0 - 1e-7])).tolist()
     assert ids == [5, 0, 29]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("v", [5, 49, 4096 + 3])
-def test_kernel_greedy_equals_torchs_argmax(sampling_kernels, dtype, v):
-    """Ties take the first index and a NaN counts as the largest, as `greedy` (torch's max) does."""
-    g = torch.Generator().manual_seed(v)
-    logits = torch.randn(300, v, generator=g).to(dtype)  # more rows than the kernel's first buffer
-    logits[1] = 0.5  # all tied
-    logits[2, v // 2] = float("nan")
-    logits[3, -1] = float("nan")
-    logits[3, 0] = float("nan")
-    logits[4] = float("-inf")
-    assert sampling_kernels.greedy(logits).tolist() == greedy(logits).tolist()
-    assert sampling_kernels.greedy(logits[:7].contiguous()).tolist() == greedy(logits[:7]).tolist()
