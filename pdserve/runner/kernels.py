@@ -97,7 +97,7 @@ class SamplingKernels:
 
     def apply_(self, logits: torch.Tensor, masks: TokenMasks) -> None:
         """-inf in place at every token a masked row may not take (`logits` float32, contiguous)."""
-        if self.masks_in_cpp and logits.is_cpu:
+        if self.masks_in_cpp and logits.is_cpu and logits.is_contiguous():
             self.ext.apply_bitmask_(logits, masks.rows, masks.packed)
         else:
             logits.index_add_(0, masks.rows, masks.bias(logits.shape[-1]))
