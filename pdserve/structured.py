@@ -161,8 +161,9 @@ class GrammarCompiler:
     per engine by the first request with a constraint rather than by every engine start (a thread at
     start would run beside the kernel measurements)."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
-        self._tokenizer_json = tokenizer_json
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        """`tokenizer`: a `tokenizers.Tokenizer` (serialised for llguidance at the first compile)."""
+        self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
         self._table: Any = None
@@ -178,7 +179,7 @@ class GrammarCompiler:
         backend = getattr(tokenizer, "backend", None)
         if backend is None or not hasattr(backend, "to_str"):
             return None
-        return cls(backend.to_str(), vocab_size, eos_token_ids)
+        return cls(backend, vocab_size, eos_token_ids)
 
     def compile(self, spec: StructuredOutputs) -> Grammar:
         """Raises InvalidRequestError for a constraint llguidance refuses (with its message)."""
@@ -188,7 +189,7 @@ class GrammarCompiler:
         grammar = spec.to_llguidance()
         if self._table is None:
             self._table = llguidance.LLTokenizer(
-                self._tokenizer_json, n_vocab=self._vocab_size, eos_token=self._eos or None
+                self._tokenizer.to_str(), n_vocab=self._vocab_size, eos_token=self._eos or None
             )
             self.executor = llguidance.LLExecutor(num_threads=min(len(os.sched_getaffinity(0)), 16))
         matcher = llguidance.LLMatcher(self._table, grammar, log_level=0)
