@@ -5,8 +5,9 @@ whichever measured faster at engine start (`choose_sampling_kernels`).
   `BatchRequest.allowed`: llguidance's layout, bit t % 32 of 32-bit word t // 32 allows token t). torch:
   each byte is looked up in a 256 x 8 table of 0 / -inf (one pass where `masked_fill` and `where` over a
   bool mask took 3.5-5 ms at 64 rows of SmolLM2's vocabulary on host G), the row widened to float32 and
-  the table row added, then the argmax: four passes over [rows, vocab] float32. C++ (AVX-512): one pass
-  over the logits as they are, 16 tokens per mask register straight from the bits.
+  the table row added, then the argmax: four passes over [rows, vocab] float32. C++ (AVX-512, or AVX2 +
+  FMA on CPUs without it): one pass over the logits as they are, 16 (8) tokens per vector, the lanes
+  straight from the bits.
 - Temperature draws by inverse CDF, one uniform number per row (so a seeded row's draw depends only on
   its own generator): torch's softmax, cumsum and searchsorted write [rows, vocab] float32 tensors
   (11 ms at 64 rows of SmolLM2's vocabulary on host G, 60 ms at Qwen2.5's); C++: the row's max, the sum
@@ -70,35 +71,55 @@ class TokenMasks:
         return out if nbytes * 8 == vocab_size else out[:, :vocab_size].contiguous()
 
 
-class SamplingKernels:
-    """How the sampler applies `TokenMasks` and draws temperature samples: per op, the C++ kernels of
-    `ext` or torch's ops (`masks_in_cpp`, `draws_in_cpp`; `choose_sampling_kernels` sets them by
-    measurement)."""
+ISA_NAMES = {"avx512": "AVX-512", "avx2": "AVX2"}
 
-    def __init__(self, ext: Any | None = None, masks_in_cpp: bool = True, draws_in_cpp: bool = True) -> None:
+
+class SamplingKernels:
+    """How the sampler applies `TokenMasks` and draws temperature samples: per op, torch's ops (None) or
+    the C++ kernels of `ext` in one of its instruction sets (`ext.isas()`: "avx512", "avx2"); by default
+    the widest the build has. `choose_sampling_kernels` sets them by measurement."""
+
+    def __init__(self, ext: Any | None = None, masks: str | None = "widest", draws: str | None = "widest") -> None:
         self.ext = ext
-        self.masks_in_cpp = ext is not None and masks_in_cpp
-        self.draws_in_cpp = ext is not None and draws_in_cpp
+        have: list[str] = list(ext.isas()) if ext is not None else []
+
+        def pick(isa: str | None) -> str | None:
+            if isa == "widest":
+                return have[0] if have else None
+            if isa is not None and isa not in have:
+                raise ValueError(f"no {isa} sampling kernels in this build (it has {have or 'none'})")
+            return isa
+
+        self.masks_isa = pick(masks)
+        self.draws_isa = pick(draws)
+
+    @property
+    def masks_in_cpp(self) -> bool:
+        return self.masks_isa is not None
+
+    @property
+    def draws_in_cpp(self) -> bool:
+        return self.draws_isa is not None
 
     @property
     def name(self) -> str:
-        def which(cpp: bool) -> str:
-            return "C++ (AVX-512)" if cpp else "torch"
+        def which(isa: str | None) -> str:
+            return f"C++ ({ISA_NAMES[isa]})" if isa else "torch"
 
-        return f"masks {which(self.masks_in_cpp)}, temperature draws {which(self.draws_in_cpp)}"
+        return f"masks {which(self.masks_isa)}, temperature draws {which(self.draws_isa)}"
 
     def argmax(self, logits: torch.Tensor, masks: TokenMasks) -> torch.Tensor:
         """Per masked row, its best allowed token (first on ties), as greedy over -inf-masked logits;
         `logits` ([N, V], float32 or the model's 16-bit dtype) is not modified."""
-        if self.masks_in_cpp and logits.is_cpu and logits.is_contiguous():
-            return self.ext.masked_argmax(logits, masks.rows, masks.packed)
+        if self.masks_isa and logits.is_cpu and logits.is_contiguous():
+            return self.ext.masked_argmax(logits, masks.rows, masks.packed, self.masks_isa)
         rows = logits if masks.rows.numel() == logits.shape[0] else logits.index_select(0, masks.rows)
         return rows.to(torch.float32, copy=True).add_(masks.bias(logits.shape[-1])).max(dim=-1).indices
 
     def apply_(self, logits: torch.Tensor, masks: TokenMasks) -> None:
         """-inf in place at every token a masked row may not take (`logits` float32, contiguous)."""
-        if self.masks_in_cpp and logits.is_cpu and logits.is_contiguous():
-            self.ext.apply_bitmask_(logits, masks.rows, masks.packed)
+        if self.masks_isa and logits.is_cpu and logits.is_contiguous():
+            self.ext.apply_bitmask_(logits, masks.rows, masks.packed, self.masks_isa)
         else:
             logits.index_add_(0, masks.rows, masks.bias(logits.shape[-1]))
 
@@ -108,8 +129,8 @@ class SamplingKernels:
         searchsorted, or one C++ pass that keeps no [rows, vocab] tensor. Rows of temperature 0 get a
         draw at temperature 1 (the caller keeps their argmax)."""
         t = torch.where(temperature == 0.0, 1.0, temperature)
-        if self.draws_in_cpp and logits.is_cpu and logits.is_contiguous():
-            return self.ext.sample_temperature(logits, t.contiguous(), u.reshape(-1).contiguous())
+        if self.draws_isa and logits.is_cpu and logits.is_contiguous():
+            return self.ext.sample_temperature(logits, t.contiguous(), u.reshape(-1).contiguous(), self.draws_isa)
         probs = torch.softmax(logits.to(torch.float32) / t.unsqueeze(-1), dim=-1)
         return inverse_cdf(probs, u)
 
@@ -123,7 +144,7 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def load_kernels() -> Any | None:
-    """The C++ kernels if they build here with their AVX-512 path, else None."""
+    """The C++ kernels if they build here with an AVX-512 or AVX2 + FMA path, else None."""
     try:
         from pdserve.extensions import load_extension
 
@@ -131,21 +152,21 @@ def load_kernels() -> Any | None:
     except Exception as e:  # noqa: BLE001 - no compiler: torch's ops still work
         logger.warning("sampling kernels unavailable (%s); torch's ops mask and draw", e)
         return None
-    return ext if ext.has_vec() else None
+    return ext if ext.isas() else None
 
 
 def choose_sampling_kernels(
-    vocab_size: int, dtype: torch.dtype, device: torch.device, rows: int = 32
+    vocab_size: int, dtype: torch.dtype, device: torch.device, rows: int = 32, ext: Any | None = None
 ) -> SamplingKernels:
-    """Per op, whichever of the C++ kernel and torch's ops is faster here, timed on `rows` rows of this
-    vocabulary (masks: greedy under masks with half of each mask set; draws: temperature 1 from the
-    model's dtype), after checking the kernels' answers (a few milliseconds at engine start)."""
+    """Per op, the fastest of torch's ops and the C++ kernels in each instruction set this build has,
+    timed on `rows` rows of this vocabulary (masks: greedy under masks with half of each mask set; draws:
+    temperature 1 from the model's dtype), after checking each kernel's answers (a few milliseconds at
+    engine start). `ext`: the kernels to weigh (default `load_kernels()`)."""
     if device.type != "cpu":
         return SamplingKernels(None)
-    ext = load_kernels()
+    ext = ext or load_kernels()
     if ext is None:
         return SamplingKernels(None)
-    cpp, ref = SamplingKernels(ext), SamplingKernels(None)
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(rows, vocab_size, generator=g).to(dtype)
     words = (vocab_size + 31) // 32
@@ -155,11 +176,8 @@ def choose_sampling_kernels(
     u = torch.rand(rows, generator=g)
     peaked = logits.clone()
     peaked[torch.arange(rows), torch.arange(rows) % vocab_size] = 100.0  # the draw must take this token
-    masks_ok = torch.equal(cpp.argmax(logits, masks), ref.argmax(logits, masks))
-    draws_ok = torch.equal(cpp.draw(peaked, temperature, u), torch.arange(rows) % vocab_size)
-    if not (masks_ok and draws_ok):
-        logger.warning("sampling kernels disagree with torch's ops (masks %s, draws %s); using torch's",
-                       masks_ok, draws_ok)
+    ref = SamplingKernels(None)
+    want = ref.argmax(logits, masks)
 
     def best_of(f: Any) -> float:
         times = []
@@ -169,11 +187,23 @@ def choose_sampling_kernels(
             times.append(time.perf_counter() - t)
         return min(times)
 
-    t_masks = (best_of(lambda: cpp.argmax(logits, masks)), best_of(lambda: ref.argmax(logits, masks)))
-    t_draws = (best_of(lambda: cpp.draw(logits, temperature, u)), best_of(lambda: ref.draw(logits, temperature, u)))
-    chosen = SamplingKernels(ext, masks_ok and t_masks[0] < t_masks[1], draws_ok and t_draws[0] < t_draws[1])
-    logger.info(
-        "sampling: %s (%d rows x %d tokens: masked greedy C++ %.2f / torch %.2f ms, temperature draw C++ "
-        "%.2f / torch %.2f ms)", chosen.name, rows, vocab_size, *(1e3 * t for t in (*t_masks, *t_draws)),
-    )
+    t_masks: dict[str | None, float] = {None: best_of(lambda: ref.argmax(logits, masks))}
+    t_draws: dict[str | None, float] = {None: best_of(lambda: ref.draw(logits, temperature, u))}
+    for isa in ext.isas():
+        k = SamplingKernels(ext, isa, isa)
+        if torch.equal(k.argmax(logits, masks), want):
+            t_masks[isa] = best_of(lambda: k.argmax(logits, masks))
+        else:
+            logger.warning("the %s mask kernel disagrees with torch's ops; not used", isa)
+        if torch.equal(k.draw(peaked, temperature, u), torch.arange(rows) % vocab_size):
+            t_draws[isa] = best_of(lambda: k.draw(logits, temperature, u))
+        else:
+            logger.warning("the %s draw kernel disagrees with torch's ops; not used", isa)
+    chosen = SamplingKernels(ext, min(t_masks, key=t_masks.__getitem__), min(t_draws, key=t_draws.__getitem__))
+
+    def table(times: dict[str | None, float]) -> str:
+        return ", ".join(f"{ISA_NAMES[k] if k else 'torch'} {1e3 * t:.2f}" for k, t in times.items())
+
+    logger.info("sampling: %s (%d rows x %d tokens, ms: masked greedy %s; temperature draw %s)",
+                chosen.name, rows, vocab_size, table(t_masks), table(t_draws))
     return chosen

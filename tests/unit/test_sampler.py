@@ -411,16 +411,21 @@ def test_token_masks_read_the_packed_bits():
     assert TokenMasks.from_rows([None, None], v, torch.device("cpu")) is None
 
 
-@pytest.fixture(params=["torch", "cpp"])
-def sampling_kernels(request):
+def cpp_kernels(isa: str):
+    """The C++ sampling kernels in one instruction set, or a skip where this build lacks it."""
     from pdserve.runner.kernels import SamplingKernels, load_kernels
 
-    if request.param == "torch":
-        return SamplingKernels(None)
     ext = load_kernels()
-    if ext is None:
-        pytest.skip("the sampling kernels need AVX-512 (F, BW, VL) and a C++ compiler")
-    return SamplingKernels(ext)
+    if ext is None or isa not in ext.isas():
+        pytest.skip(f"no {isa} sampling kernels here (they need a C++ compiler and a CPU with {isa})")
+    return SamplingKernels(ext, isa, isa)
+
+
+@pytest.fixture(params=["torch", "avx512", "avx2"])
+def sampling_kernels(request):
+    from pdserve.runner.kernels import SamplingKernels
+
+    return SamplingKernels(None) if request.param == "torch" else cpp_kernels(request.param)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -475,16 +480,15 @@ def test_a_batch_all_under_grammars_takes_the_best_allowed_tokens(dtype, samplin
     assert torch.equal(logits, before)
 
 
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("v", [16, 31, 100, 1000, 49_157])
-def test_sampling_kernels_equal_torchs_ops(dtype, v):
+@pytest.mark.parametrize("v", [7, 16, 31, 100, 1000, 49_157])
+def test_sampling_kernels_equal_torchs_ops(isa, dtype, v):
     """The C++ kernels against torch's ops: random and sparse masks, ties, NaN, an empty mask, vocabularies
-    that are no multiple of 16 or 32, rows in any order."""
-    from pdserve.runner.kernels import SamplingKernels, TokenMasks, load_kernels
+    that are no multiple of 8, 16 or 32, rows in any order."""
+    from pdserve.runner.kernels import SamplingKernels, TokenMasks
 
-    ext = load_kernels()
-    if ext is None:
-        pytest.skip("the sampling kernels need AVX-512 (F, BW, VL) and a C++ compiler")
+    cpp = cpp_kernels(isa)
     g = torch.Generator().manual_seed(v)
     n = 9
     logits = torch.randn(n, v, generator=g).to(dtype)
@@ -503,7 +507,7 @@ def test_sampling_kernels_equal_torchs_ops(dtype, v):
     rows = [7, 0, 2, 3, 8, 5, 1, 4]
     masks = TokenMasks(torch.tensor(rows), torch.tensor(
         [list(np.frombuffer(pack(a, v), dtype=np.int32)) for a in allowed], dtype=torch.int32))
-    cpp, ref = SamplingKernels(ext), SamplingKernels(None)
+    ref = SamplingKernels(None)
     assert cpp.argmax(logits, masks).tolist() == ref.argmax(logits, masks).tolist()
     a, b = logits.float(), logits.float()
     cpp.apply_(a, masks)
@@ -532,14 +536,10 @@ def test_temperature_draws_follow_the_tempered_softmax(sampling_kernels, dtype, 
         assert (got - want).abs().max() < 2.0 / n + 1e-4
 
 
-def test_draw_kernel_edge_rows():
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_draw_kernel_edge_rows(isa):
     """NaN: the first NaN; all -inf: token 0; u near 1 never runs past the last possible token."""
-    from pdserve.runner.kernels import SamplingKernels, load_kernels
-
-    ext = load_kernels()
-    if ext is None:
-        pytest.skip("the sampling kernels need AVX-512 (F, BW, VL) and a C++ compiler")
-    k = SamplingKernels(ext)
+    k = cpp_kernels(isa)
     v = 37
     logits = torch.zeros(3, v)
     logits[0, 5] = float("nan")
@@ -547,3 +547,39 @@ def test_draw_kernel_edge_rows():
     logits[2, 30:] = float("-inf")
     ids = k.draw(logits, torch.ones(3), torch.tensor([0.3, 0.3, 1.0 - 1e-7])).tolist()
     assert ids == [5, 0, 29]
+
+
+def test_the_kernel_choice_never_takes_a_kernel_that_disagrees_with_torch():
+    """A kernel that answers wrongly is not used however fast it is; the real build's choice is one of its
+    own instruction sets or torch's ops, per op."""
+    from pdserve.runner.kernels import choose_sampling_kernels, load_kernels
+
+    class Wrong:
+        def isas(self) -> list[str]:
+            return ["avx2"]
+
+        def masked_argmax(self, logits, rows, packed, isa):
+            return torch.full((len(rows),), 3)
+
+        def sample_temperature(self, logits, temperature, u, isa):
+            return torch.full((logits.shape[0],), 3)
+
+    k = choose_sampling_kernels(1000, torch.float32, CPU, ext=Wrong())
+    assert k.masks_isa is None and k.draws_isa is None and k.name == "masks torch, temperature draws torch"
+    ext = load_kernels()
+    if ext is not None:
+        k = choose_sampling_kernels(1000, torch.bfloat16, CPU, rows=8)
+        assert k.masks_isa in (None, *ext.isas()) and k.draws_isa in (None, *ext.isas())
+
+
+def test_sampling_kernels_refuse_an_instruction_set_the_build_lacks():
+    from pdserve.runner.kernels import SamplingKernels
+
+    class Avx2Only:
+        def isas(self) -> list[str]:
+            return ["avx2"]
+
+    assert SamplingKernels(Avx2Only()).draws_isa == "avx2"
+    with pytest.raises(ValueError, match="no avx512"):
+        SamplingKernels(Avx2Only(), masks="avx512")
+    assert SamplingKernels(None).masks_isa is None

@@ -1,5 +1,7 @@
 // The sampler's kernels for CPUs (pdserve/runner/kernels.py chooses them against torch's ops by
-// measurement). AVX-512 (F, BW, VL) only; without it the caller keeps torch's ops.
+// measurement), each for AVX-512 (F, BW, VL; 16 tokens a vector) and for AVX2 + FMA (8 tokens; AMD EPYC
+// Zen 3 and other CPUs without AVX-512), whichever this build has (-march=native); `isa` picks one, so an
+// AVX-512 build tests and times the AVX2 path too. Without either the caller keeps torch's ops.
 // - Structured outputs' token masks straight from their packed bits (bit t % 32 of 32-bit word t / 32
 //   allows token t), one pass over the logits: the torch sequence (look the bits up, widen the logits, add
 //   a 0 / -inf row, argmax) makes four passes over [rows, vocab] float32.
@@ -11,16 +13,23 @@
 
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
 #include <limits>
+#include <string>
+#include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-#define PDSERVE_HAVE_VEC 1
+#define PDSERVE_HAVE_AVX2 1
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PDSERVE_HAVE_AVX512 1
 #endif
 
 namespace {
 
-#ifdef PDSERVE_HAVE_VEC
+#ifdef PDSERVE_HAVE_AVX512
+namespace avx512 {
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -161,6 +170,148 @@ int64_t sample_row(const T* __restrict__ x, int64_t V, float inv_t, float u) {
   }
   return last;
 }
+}  // namespace avx512
+#endif
+
+#ifdef PDSERVE_HAVE_AVX2
+// The same three kernels 8 tokens a vector: a mask byte is a chunk's 8 lanes (set where its bit is), a
+// row's last partial chunk is copied into a buffer filled with -inf (no masked 16-bit loads in AVX2).
+namespace avx2 {
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+template <typename T>
+inline __m256 load_tail(const T* p, int64_t n) {
+  alignas(32) float b[8];
+  for (int j = 0; j < 8; ++j) b[j] = j < n ? static_cast<float>(p[j]) : -std::numeric_limits<float>::infinity();
+  return _mm256_load_ps(b);
+}
+// All ones in lane j where bit j of `byte` is set.
+inline __m256 lanes(uint32_t byte) {
+  const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  return _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(byte)), sel), sel));
+}
+inline float hmax(__m256 v) {
+  __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_max_ss(a, _mm_shuffle_ps(a, a, 1)));
+}
+inline float hsum(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(a, _mm_shuffle_ps(a, a, 1)));
+}
+inline int nan_lanes(__m256 v, __m256 m) { return _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q), m)); }
+
+// As avx512::masked_argmax_row; `mb`: the mask's bytes (byte c: tokens 8c .. 8c + 7).
+template <typename T>
+int64_t masked_argmax_row(const T* __restrict__ x, const uint8_t* __restrict__ mb, int64_t V) {
+  __m256 best = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const int64_t full = V / 8, rest = V - full * 8;
+  const uint32_t tail_bits = rest ? mb[full] & ((1u << rest) - 1) : 0;
+  const __m256 tail_m = lanes(tail_bits);
+  const __m256 tail_v = tail_bits ? load_tail(x + full * 8, rest) : _mm256_setzero_ps();
+  for (int64_t c = 0; c < full; ++c) {
+    if (!mb[c]) continue;
+    const __m256 v = load8(x + c * 8), m = lanes(mb[c]);
+    if (const int nan = nan_lanes(v, m)) return c * 8 + __builtin_ctz(nan);  // the first allowed NaN wins
+    best = _mm256_blendv_ps(best, _mm256_max_ps(best, v), m);
+  }
+  if (tail_bits) {
+    if (const int nan = nan_lanes(tail_v, tail_m)) return full * 8 + __builtin_ctz(nan);
+    best = _mm256_blendv_ps(best, _mm256_max_ps(best, tail_v), tail_m);
+  }
+  const __m256 topv = _mm256_set1_ps(hmax(best));
+  for (int64_t c = 0; c < full; ++c) {
+    if (!mb[c]) continue;
+    const int eq = _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(load8(x + c * 8), topv, _CMP_EQ_OQ), lanes(mb[c])));
+    if (eq) return c * 8 + __builtin_ctz(eq);
+  }
+  if (tail_bits) {
+    const int eq = _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(tail_v, topv, _CMP_EQ_OQ), tail_m));
+    if (eq) return full * 8 + __builtin_ctz(eq);
+  }
+  return 0;  // nothing allowed
+}
+
+void apply_row(float* __restrict__ x, const uint8_t* __restrict__ mb, int64_t V) {
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const int64_t full = V / 8, rest = V - full * 8;
+  for (int64_t c = 0; c < full; ++c) {
+    if (mb[c] == 0xFF) continue;
+    _mm256_maskstore_ps(x + c * 8, _mm256_castps_si256(lanes(~mb[c] & 0xFFu)), ninf);
+  }
+  if (rest) _mm256_maskstore_ps(x + full * 8, _mm256_castps_si256(lanes(~mb[full] & ((1u << rest) - 1))), ninf);
+}
+
+// exp(x) for 8 float32 lanes, x in [-87, 0]: the polynomial of avx512::exp16, 2^n built in the exponent
+// field (normal down to 2^-126, hence the narrower range).
+inline __m256 exp8(__m256 x) {
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9841270e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3888889e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3333333e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1666667e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666667e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// As avx512::sample_row; probabilities below e^-87 count as 0 (e^-103 there).
+template <typename T>
+int64_t sample_row(const T* __restrict__ x, int64_t V, float inv_t, float u) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const int64_t full = V / 8, rest = V - full * 8, chunks = full + (rest ? 1 : 0);
+  const __m256 tail_v = rest ? load_tail(x + full * 8, rest) : _mm256_setzero_ps();
+  auto chunk = [&](int64_t c) { return c < full ? load8(x + c * 8) : tail_v; };
+  const __m256 all = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  __m256 mx = _mm256_set1_ps(ninf);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const __m256 v = chunk(c);
+    if (const int nan = nan_lanes(v, all)) return c * 8 + __builtin_ctz(nan);
+    mx = _mm256_max_ps(mx, v);
+  }
+  const float m = hmax(mx);
+  if (m == ninf) return 0;
+  const __m256 mv = _mm256_set1_ps(m), it = _mm256_set1_ps(inv_t), lo = _mm256_set1_ps(-87.f);
+  auto probs = [&](int64_t c) {
+    const __m256 arg = _mm256_mul_ps(_mm256_sub_ps(chunk(c), mv), it);  // -inf for a masked or padded token
+    return _mm256_and_ps(_mm256_cmp_ps(arg, lo, _CMP_GT_OQ), exp8(_mm256_max_ps(arg, lo)));
+  };
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) acc = _mm256_add_ps(acc, probs(c));
+  const float target = u * hsum(acc);
+  float run = 0.f;
+  int64_t last = 0;
+  alignas(32) float e[8];
+  for (int64_t c = 0; c < chunks; ++c) {
+    const __m256 p = probs(c);
+    const float s = hsum(p);
+    if (s > 0.f) {
+      _mm256_store_ps(e, p);
+      if (run + s > target) {
+        for (int j = 0; j < 8; ++j) {
+          run += e[j];
+          if (run > target) return c * 8 + j;
+        }
+      } else {
+        run += s;
+      }
+      for (int j = 7; j >= 0; --j)
+        if (e[j] > 0.f) { last = c * 8 + j; break; }
+    }
+  }
+  return last;
+}
+}  // namespace avx2
 #endif
 
 void check(const torch::Tensor& logits, const torch::Tensor& rows, const torch::Tensor& masks) {
@@ -173,86 +324,131 @@ void check(const torch::Tensor& logits, const torch::Tensor& rows, const torch::
   for (int64_t i = 0; i < rows.size(0); ++i) TORCH_CHECK(r[i] >= 0 && r[i] < logits.size(0), "row out of range");
 }
 
-}  // namespace
-
-bool has_vec() {
-#ifdef PDSERVE_HAVE_VEC
-  return true;
-#else
-  return false;
+// The instruction sets this build has kernels for, widest first ("avx512", "avx2").
+std::vector<std::string> isas() {
+  std::vector<std::string> out;
+#ifdef PDSERVE_HAVE_AVX512
+  out.push_back("avx512");
 #endif
-}
-
-// Per row of `rows`: the allowed token with the largest logit (first on ties), as argmax over the
-// logits with -inf at every token its mask does not allow.
-torch::Tensor masked_argmax(const torch::Tensor& logits, const torch::Tensor& rows, const torch::Tensor& masks) {
-  check(logits, rows, masks);
-  TORCH_CHECK(has_vec(), "masked_argmax needs AVX-512");
-  auto out = torch::empty({rows.size(0)}, torch::kInt64);
-#ifdef PDSERVE_HAVE_VEC
-  const int64_t V = logits.size(1), W = masks.size(1);
-  const int64_t* r = rows.data_ptr<int64_t>();
-  const uint32_t* bits = reinterpret_cast<const uint32_t*>(masks.data_ptr<int32_t>());
-  int64_t* o = out.data_ptr<int64_t>();
-  const bool bf16 = logits.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(bf16 || logits.scalar_type() == torch::kFloat32, "logits: float32 or bfloat16");
-  const void* base = logits.data_ptr();
-  at::parallel_for(0, rows.size(0), 4, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      o[i] = bf16 ? masked_argmax_row(static_cast<const at::BFloat16*>(base) + r[i] * V, bits + i * W, V)
-                  : masked_argmax_row(static_cast<const float*>(base) + r[i] * V, bits + i * W, V);
-    }
-  });
+#ifdef PDSERVE_HAVE_AVX2
+  out.push_back("avx2");
 #endif
   return out;
 }
 
-// -inf in place at every token of each row of `rows` that its mask does not allow (float32 logits).
-void apply_bitmask_(torch::Tensor& logits, const torch::Tensor& rows, const torch::Tensor& masks) {
+// Whether `isa` (one of isas()) is AVX-512.
+bool wide(const std::string& isa) {
+  const auto have = isas();
+  TORCH_CHECK(std::find(have.begin(), have.end(), isa) != have.end(), "no ", isa, " sampling kernels in this build");
+  return isa == "avx512";
+}
+
+// One row of each kernel in the chosen instruction set (an AVX-512 build has AVX2 too).
+template <typename T>
+int64_t argmax_row(bool w, const T* x, const uint32_t* bits, int64_t V) {
+#ifdef PDSERVE_HAVE_AVX512
+  if (w) return avx512::masked_argmax_row(x, bits, V);
+#endif
+#ifdef PDSERVE_HAVE_AVX2
+  return avx2::masked_argmax_row(x, reinterpret_cast<const uint8_t*>(bits), V);
+#else
+  TORCH_CHECK(false, "no sampling kernels in this build");
+  return 0;
+#endif
+}
+
+void mask_row(bool w, float* x, const uint32_t* bits, int64_t V) {
+#ifdef PDSERVE_HAVE_AVX512
+  if (w) return avx512::apply_row(x, bits, V);
+#endif
+#ifdef PDSERVE_HAVE_AVX2
+  avx2::apply_row(x, reinterpret_cast<const uint8_t*>(bits), V);
+#else
+  TORCH_CHECK(false, "no sampling kernels in this build");
+#endif
+}
+
+template <typename T>
+int64_t draw_row(bool w, const T* x, int64_t V, float inv_t, float u) {
+#ifdef PDSERVE_HAVE_AVX512
+  if (w) return avx512::sample_row(x, V, inv_t, u);
+#endif
+#ifdef PDSERVE_HAVE_AVX2
+  return avx2::sample_row(x, V, inv_t, u);
+#else
+  TORCH_CHECK(false, "no sampling kernels in this build");
+  return 0;
+#endif
+}
+
+}  // namespace
+
+// Per row of `rows`: the allowed token with the largest logit (first on ties), as argmax over the
+// logits with -inf at every token its mask does not allow.
+torch::Tensor masked_argmax(const torch::Tensor& logits, const torch::Tensor& rows, const torch::Tensor& masks,
+                            const std::string& isa) {
   check(logits, rows, masks);
-  TORCH_CHECK(has_vec(), "apply_bitmask_ needs AVX-512");
+  const bool w = wide(isa);
+  const bool bf16 = logits.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(bf16 || logits.scalar_type() == torch::kFloat32, "logits: float32 or bfloat16");
+  auto out = torch::empty({rows.size(0)}, torch::kInt64);
+  const int64_t V = logits.size(1), W = masks.size(1);
+  const int64_t* r = rows.data_ptr<int64_t>();
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(masks.data_ptr<int32_t>());
+  int64_t* o = out.data_ptr<int64_t>();
+  const void* base = logits.data_ptr();
+  at::parallel_for(0, rows.size(0), 4, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      o[i] = bf16 ? argmax_row(w, static_cast<const at::BFloat16*>(base) + r[i] * V, bits + i * W, V)
+                  : argmax_row(w, static_cast<const float*>(base) + r[i] * V, bits + i * W, V);
+    }
+  });
+  return out;
+}
+
+// -inf in place at every token of each row of `rows` that its mask does not allow (float32 logits).
+void apply_bitmask_(torch::Tensor& logits, const torch::Tensor& rows, const torch::Tensor& masks, const std::string& isa) {
+  check(logits, rows, masks);
+  const bool w = wide(isa);
   TORCH_CHECK(logits.scalar_type() == torch::kFloat32, "logits: float32");
-#ifdef PDSERVE_HAVE_VEC
   const int64_t V = logits.size(1), W = masks.size(1);
   const int64_t* r = rows.data_ptr<int64_t>();
   const uint32_t* bits = reinterpret_cast<const uint32_t*>(masks.data_ptr<int32_t>());
   float* x = logits.data_ptr<float>();
   at::parallel_for(0, rows.size(0), 4, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) apply_row(x + r[i] * V, bits + i * W, V);
+    for (int64_t i = b; i < e; ++i) mask_row(w, x + r[i] * V, bits + i * W, V);
   });
-#endif
 }
 
 // One draw per row of `logits` from softmax(row / temperature[row]) with the uniform number u[row].
-torch::Tensor sample_temperature(const torch::Tensor& logits, const torch::Tensor& temperature, const torch::Tensor& u) {
+torch::Tensor sample_temperature(const torch::Tensor& logits, const torch::Tensor& temperature, const torch::Tensor& u,
+                                 const std::string& isa) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.device().is_cpu(), "logits: contiguous [N, V] on CPU");
   TORCH_CHECK(temperature.scalar_type() == torch::kFloat32 && temperature.numel() == logits.size(0) &&
               temperature.is_contiguous(), "temperature: float32 [N]");
   TORCH_CHECK(u.scalar_type() == torch::kFloat32 && u.numel() == logits.size(0) && u.is_contiguous(), "u: float32 [N]");
-  TORCH_CHECK(has_vec(), "sample_temperature needs AVX-512");
+  const bool w = wide(isa);
+  const bool bf16 = logits.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(bf16 || logits.scalar_type() == torch::kFloat32, "logits: float32 or bfloat16");
   auto out = torch::empty({logits.size(0)}, torch::kInt64);
-#ifdef PDSERVE_HAVE_VEC
   const int64_t V = logits.size(1);
   const float* t = temperature.data_ptr<float>();
   const float* uu = u.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
-  const bool bf16 = logits.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(bf16 || logits.scalar_type() == torch::kFloat32, "logits: float32 or bfloat16");
   const void* base = logits.data_ptr();
   at::parallel_for(0, logits.size(0), 4, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const float inv_t = 1.f / t[i];
-      o[i] = bf16 ? sample_row(static_cast<const at::BFloat16*>(base) + i * V, V, inv_t, uu[i])
-                  : sample_row(static_cast<const float*>(base) + i * V, V, inv_t, uu[i]);
+      o[i] = bf16 ? draw_row(w, static_cast<const at::BFloat16*>(base) + i * V, V, inv_t, uu[i])
+                  : draw_row(w, static_cast<const float*>(base) + i * V, V, inv_t, uu[i]);
     }
   });
-#endif
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("isas", &isas, "the instruction sets this build has kernels for, widest first");
   m.def("sample_temperature", &sample_temperature, "one inverse-CDF draw per row from softmax(row / T)");
-  m.def("has_vec", &has_vec, "whether this build has the AVX-512 kernels");
   m.def("masked_argmax", &masked_argmax, "argmax of each listed row over the tokens its packed mask allows");
   m.def("apply_bitmask_", &apply_bitmask_, "-inf in place where each listed row's packed mask is 0");
 }
