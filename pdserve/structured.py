@@ -189,10 +189,24 @@ class GrammarCompiler:
         grammar = spec.to_llguidance()
         if self._table is None:
             self._table = llguidance.LLTokenizer(
-                self._tokenizer.to_str(), n_vocab=self._vocab_size, eos_token=self._eos or None
+                _llguidance_tokenizer_json(self._tokenizer), n_vocab=self._vocab_size, eos_token=self._eos or None
             )
             self.executor = llguidance.LLExecutor(num_threads=min(len(os.sched_getaffinity(0)), 16))
         matcher = llguidance.LLMatcher(self._table, grammar, log_level=0)
         if matcher.is_error():
             raise InvalidRequestError(f"invalid structured output constraint: {matcher.get_error()}")
         return Grammar(matcher, self)
+
+
+def _llguidance_tokenizer_json(backend: Any) -> str:
+    """The tokenizer's JSON for llguidance, which reads every entry of `added_tokens` as a special token
+    (known by a marker byte, never by its text). An added token that is ordinary text (`special` false,
+    as Qwen2.5's `<tool_call>`) and is in the model's vocabulary is left out of that list, so llguidance
+    knows it by its bytes: otherwise its masks allowed the token where its text fits the grammar, and
+    the grammar then refused the token when it was sampled."""
+    j = json.loads(backend.to_str())
+    vocab = (j.get("model") or {}).get("vocab") or {}
+    added = j.get("added_tokens") or []
+    j["added_tokens"] = [a for a in added if a.get("special", True) or a.get("content") not in vocab]
+    return json.dumps(j) if len(j["added_tokens"]) != len(added) else backend.to_str()
+

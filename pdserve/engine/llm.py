@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -14,7 +15,7 @@ from pdserve.outputs import RequestOutput
 from pdserve.request import SamplingParams
 
 Prompt = str | Sequence[int]
-Message = dict[str, str]
+Message = dict[str, Any]
 
 
 class LLM:
@@ -141,13 +142,16 @@ class LLM:
         messages: Sequence[Message] | Sequence[Sequence[Message]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        """Apply the model's chat template to one conversation or a list of them (with `tools`, function
+        definitions in OpenAI's shape, for templates that show them), then generate. The text is the
+        model's; `pdserve.tools` parses tool calls out of it as the server does."""
         tok = self.engine.tokenizer
         if tok is None:
             raise InvalidRequestError("this engine has no tokenizer, so no chat template")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [tok.apply_chat_template(list(c), add_generation_prompt=True) for c in convs]  # type: ignore[attr-defined]
+        prompts = [tok.apply_chat_template(list(c), add_generation_prompt=True, tools=tools) for c in convs]  # type: ignore[attr-defined]
         return self.generate(prompts, params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

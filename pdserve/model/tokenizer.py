@@ -134,8 +134,14 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages`, exactly as transformers' `apply_chat_template(tokenize=False)`.
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text for `messages`, exactly as transformers' `apply_chat_template(tokenize=False)`;
+        `tools`: function definitions in OpenAI's shape, for templates that show them (`pdserve.tools`).
 
         Raises InvalidRequestError if the model has no template or the template rejects the messages.
         """
@@ -158,12 +164,12 @@ class Tokenizer:
         try:
             return self._compiled_template.render(
                 messages=chat,
-                tools=None,
+                tools=tools or None,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self._special_tokens,
             )
-        except jinja2.TemplateError as exc:
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError) as exc:  # the messages' shapes are the caller's
             raise InvalidRequestError(f"chat template error: {exc}") from exc
 
 

@@ -46,6 +46,7 @@ from pdserve.server.protocol import (
     decode_body,
     num_choices,
     sampling_params,
+    tool_plan,
 )
 from pdserve.server.responses import after_reservation, json_response, respond, stream
 
@@ -195,12 +196,15 @@ def build_app(config: ServerConfig) -> FastAPI:
                     f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}]", param="top_logprobs"
                 )
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        tools = tool_plan(req, server.tokenizer.chat_template)
         messages = chat_message_dicts(req.messages)
         add_generation_prompt = True if req.add_generation_prompt is None else req.add_generation_prompt
-        ids = await server.tokenize_chat(messages, add_generation_prompt)
+        ids = await server.tokenize_chat(messages, add_generation_prompt, tools.template_tools if tools else None)
         wanted = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = [sampling_params(req, server.check_prompt(ids, wanted, "messages"), num_logprobs)]
-        await server.check_structured(params, "response_format" if req.response_format else "structured_outputs")
+        params = [sampling_params(req, server.check_prompt(ids, wanted, "messages"), num_logprobs, tools=tools)]
+        constrained_by = "tools" if tools is not None and tools.constraint() is not None else (
+            "response_format" if req.response_format else "structured_outputs")
+        await server.check_structured(params, constrained_by)
         job = server.new_job(
             "chatcmpl",
             [ids],
@@ -208,6 +212,7 @@ def build_app(config: ServerConfig) -> FastAPI:
             bool(req.stream),
             req.stream_options,
             num_logprobs,
+            tools=tools,
         )
         kv = server.kv_transfer_of(req, job, request)
         server.submit(job, params, kv)

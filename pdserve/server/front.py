@@ -8,6 +8,7 @@ that use it are in `api.py`, the responses it feeds in `responses.py`.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import time
@@ -28,6 +29,7 @@ from pdserve.server.guards import check_api_key, check_cluster, check_json_conte
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.protocol import APIError, LogprobFormatter, StreamOptions, bad_request, choice_seed
 from pdserve.structured import GrammarCompiler
+from pdserve.tools import ToolPlan
 
 # A token is rarely more than a few characters: a text this many times longer than the context cannot
 # fit, and is refused before it is tokenized.
@@ -52,6 +54,7 @@ class Job:
     include_usage: bool
     logprobs: int | None
     echo: list[str] | None = None  # completions with `echo`: each prompt's text, put before its choices'
+    tools: ToolPlan | None = None  # chat with tools: how each choice's text becomes tool calls
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
     req_ids: list[str] = field(default_factory=list)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -188,16 +191,20 @@ class Server:
             raise bad_request("prompt must not hold more than 4096 prompts", param="prompt")
         return await asyncio.to_thread(self.completion_prompts, prompt)
 
-    async def tokenize_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-        """Template and tokenize the messages in a worker thread, after a cheap length check."""
-        self.check_text_length([m["content"] for m in messages], "messages")
+    async def tokenize_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Template and tokenize the messages (and the tools the template shows) in a worker thread, after
+        a cheap length check."""
+        texts = [m["content"] for m in messages] + [json.dumps(m["tool_calls"]) for m in messages if m.get("tool_calls")]
+        self.check_text_length(texts + ([json.dumps(tools)] if tools else []), "messages")
 
         encoder = self.chat_encoder
         assert encoder is not None
 
         def run() -> list[int]:
             try:  # message content is encoded as plain text: no special tokens typed by the user
-                return encoder.encode(messages, add_generation_prompt)
+                return encoder.encode(messages, add_generation_prompt, tools)
             except (ValueError, TypeError) as e:  # InvalidRequestError: no template, or it refused them
                 raise bad_request(str(e), param="messages") from None
 
@@ -300,13 +307,14 @@ class Server:
         )
 
     def new_job(self, prefix: str, prompts: list[list[int]], n: int, stream: bool,
-                stream_options: StreamOptions | None, logprobs: int | None, echo: list[str] | None = None) -> Job:
+                stream_options: StreamOptions | None, logprobs: int | None, echo: list[str] | None = None,
+                tools: ToolPlan | None = None) -> Job:
         timeout = self.config.request_timeout_s
         deadline = None if timeout is None else time.monotonic() + timeout
         usage = bool(stream_options and stream_options.include_usage)
         continuous = usage and bool(stream_options and stream_options.continuous_usage_stats)
         return Job(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), prompts, n, stream, usage, logprobs,
-                   echo, continuous, deadline=deadline)
+                   echo, tools, continuous, deadline=deadline)
 
     async def check_structured(self, params: list[Any], param: str) -> None:
         """Compile the request's output constraint here (off the event loop) so that a bad one is a 400

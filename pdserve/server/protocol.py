@@ -22,6 +22,7 @@ from pdserve.errors import InvalidRequestError
 from pdserve.request import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from pdserve.server.wire import ErrorBody, ErrorInfo
 from pdserve.structured import StructuredOutputs
+from pdserve.tools import ToolPlan, ToolsError, message_tool_calls, plan_tools
 
 MAX_N = 128
 MAX_STOP_STRINGS = 16  # each one is matched against the text after every token
@@ -124,6 +125,8 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None  # an assistant's earlier calls (`pdserve.tools.message_tool_calls`)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(_GenerationRequest, kw_only=True):
@@ -132,8 +135,9 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     max_completion_tokens: Int32 | None = None
     logprobs: bool | None = None
     top_logprobs: Int32 | None = None
-    tools: list[Any] | None = None
+    tools: list[Any] | None = None  # checked by `pdserve.tools.plan_tools`
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool | None = None
 
 
@@ -170,11 +174,6 @@ def check_unsupported(req: _GenerationRequest) -> None:
             raise bad_request("suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != (req.n or 1):
             raise bad_request("best_of is not supported (only equal to n)", param="best_of")
-    if isinstance(req, ChatCompletionRequest):
-        if req.tools:
-            raise bad_request("tools are not supported", param="tools")
-        if req.tool_choice not in (None, "none", "auto"):
-            raise bad_request("tool_choice is not supported", param="tool_choice")
 
 
 def num_choices(req: _GenerationRequest) -> int:
@@ -185,9 +184,14 @@ def num_choices(req: _GenerationRequest) -> int:
 
 
 def sampling_params(
-    req: _GenerationRequest, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    req: _GenerationRequest,
+    max_tokens: int,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+    tools: ToolPlan | None = None,
 ) -> SamplingParams:
-    """The engine's parameters for one choice of `req` (the caller offsets `seed` per choice)."""
+    """The engine's parameters for one choice of `req` (the caller offsets `seed` per choice); `tools`'
+    constraint (a named function or "required") in place of the request's own."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     try:
         return SamplingParams(
@@ -212,7 +216,7 @@ def sampling_params(
             slo_ttft_ms=req.slo_ttft_ms,
             slo_itl_ms=req.slo_itl_ms,
             slo_tpot_ms=req.slo_tpot_ms,
-            structured_outputs=structured_outputs_of(req),
+            structured_outputs=_tools_constraint(tools) or structured_outputs_of(req),
         )
     except InvalidRequestError as e:
         name = str(e).split(" ", 1)[0]
@@ -262,6 +266,26 @@ def structured_outputs_of(req: _GenerationRequest) -> StructuredOutputs | None:
         raise bad_request("structured_outputs is malformed", param="structured_outputs") from None
 
 
+def tool_plan(req: ChatCompletionRequest, chat_template: str | None) -> ToolPlan | None:
+    """The request's tool calling (`pdserve.tools`), checked; a constrained tool choice excludes a
+    response format of the request's own."""
+    try:
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, chat_template)
+    except ToolsError as e:
+        raise bad_request(str(e), param=e.param) from None
+    if plan is not None and plan.choice in ("named", "required"):
+        rf = req.response_format
+        if (rf is not None and rf.get("type", "text") != "text") or req.structured_outputs is not None:
+            raise bad_request(f'tool_choice "{plan.choice}" constrains the output itself: give no '
+                              "response_format or structured_outputs with it", param="tool_choice")
+    return plan
+
+
+def _tools_constraint(tools: ToolPlan | None) -> StructuredOutputs | None:
+    spec = tools.constraint() if tools is not None else None
+    return None if spec is None else _checked(spec, "tools")
+
+
 def _checked(so: StructuredOutputs, param: str) -> StructuredOutputs:
     try:
         so.validate()
@@ -284,8 +308,9 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return out
 
 
-def chat_message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the chat template expects them: text content only."""
+def chat_message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template expects them: text content, an assistant's tool calls with their
+    arguments as objects, a tool message's `tool_call_id`."""
     if not messages:
         raise bad_request("messages must be a non-empty list", param="messages")
     out = []
@@ -304,9 +329,18 @@ def chat_message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
                     )
                 parts.append(part.text)
             content = "".join(parts)
-        d = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
         if m.name is not None:
             d["name"] = m.name
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise bad_request(f"messages[{i}]: only assistant messages carry tool_calls", param="messages")
+            try:
+                d["tool_calls"] = message_tool_calls(m.tool_calls, i)
+            except ToolsError as e:
+                raise bad_request(str(e), param=e.param) from None
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
         out.append(d)
     return out
 

@@ -20,6 +20,7 @@ from pdserve.server import wire
 from pdserve.server.front import Job, Server
 from pdserve.server.http import WatchedStream, wait_disconnect
 from pdserve.server.protocol import APIError, usage
+from pdserve.tools import ToolCallAccumulator, ToolParser, finish_reason
 
 _json = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
@@ -79,6 +80,7 @@ class Choice:
     text_offset: int = 0
     sent_role: bool = False
     sent_echo: bool = False
+    tools: ToolParser | None = None  # a chat with tools: what turns this choice's text into tool calls
 
 
 class Format:
@@ -100,12 +102,28 @@ class Format:
             "model": self.server.model_name,
         }
 
+    def new_choice(self) -> Choice:
+        tools = self.job.tools
+        return Choice(tools=tools.parser() if tools is not None and self.chat else None)
+
+    def finish_reason(self, c: Choice, reason: str | None) -> str | None:
+        return finish_reason(c.tools, reason)
+
     def whole(self, c: Choice, index: int) -> dict[str, Any]:
         text = "".join(c.text)
         lp = self.logprobs
         if self.chat:
             logprobs = {"content": lp.chat(c.token_ids, c.logprobs, self.job.logprobs or 0)} if lp else None
-            return {"message": {"role": "assistant", "content": text}, "logprobs": logprobs}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if c.tools is not None:  # the same parser as a stream's, fed the text at once
+                calls = ToolCallAccumulator()
+                content, deltas = c.tools.feed(text)
+                rest, more = c.tools.finish()
+                calls.add(deltas + more)
+                message["content"] = (content + rest) or (None if calls.calls else "")
+                if calls.calls:
+                    message["tool_calls"] = calls.calls
+            return {"message": message, "logprobs": logprobs}
         prefix, prompt_lp = self._echo(c, index, c.prompt_logprobs)
         logprobs = self._completion_logprobs(c, index, prompt_lp, c.token_ids, c.logprobs) if lp else None
         return {"text": prefix + text, "logprobs": logprobs}
@@ -126,8 +144,16 @@ class Format:
         if not c.sent_role:  # the role rides on the first chunk that carries text, not ahead of it
             delta["role"] = "assistant"
             c.sent_role = True
-        if d.new_text or "role" in delta:
-            delta["content"] = d.new_text
+        text, calls = d.new_text, []
+        if c.tools is not None:
+            text, calls = c.tools.feed(d.new_text)
+            if d.finish_reason is not None:
+                rest, more = c.tools.finish()
+                text, calls = text + rest, calls + more
+        if text or "role" in delta:
+            delta["content"] = text
+        if calls:
+            delta["tool_calls"] = [call.as_openai() for call in calls]
         logprobs = None
         if lp is not None:
             logprobs = {"content": lp.chat(d.new_token_ids, d.logprobs or [], self.job.logprobs or 0)}
@@ -167,7 +193,7 @@ class Format:
 async def respond(server: Server, job: Job, request: Request, chat: bool) -> Response:
     """Collect every choice of `job` into one JSON body."""
     fmt = Format(server, job, chat)
-    choices = [Choice() for _ in range(job.num_choices)]
+    choices = [fmt.new_choice() for _ in range(job.num_choices)]
 
     def add(index: int, d: RequestDelta) -> None:
         add_delta(fmt, choices[index], d)
@@ -192,7 +218,7 @@ def add_delta(fmt: Format, c: Choice, d: RequestDelta) -> None:
 def whole_body(fmt: Format, job: Job, choices: list[Choice]) -> dict[str, Any]:
     body = fmt.head(stream=False)
     body["choices"] = [
-        {"index": i, **fmt.whole(c, i), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        {"index": i, **fmt.whole(c, i), "finish_reason": fmt.finish_reason(c, c.finish_reason), "stop_reason": c.stop_reason}
         for i, c in enumerate(choices)
     ]
     body["usage"] = usage(job.num_prompt_tokens, sum(c.num_tokens for c in choices))
@@ -239,7 +265,7 @@ async def json_when_done(server: Server, job: Job, chat: bool) -> AsyncIterator[
     """A whole (non-streaming) body sent as a stream, so that headers can go out before it is ready.
     An error after the headers is the body (status 200 is gone by then)."""
     fmt = Format(server, job, chat)
-    choices = [Choice() for _ in range(job.num_choices)]
+    choices = [fmt.new_choice() for _ in range(job.num_choices)]
     remaining = job.num_choices
     try:
         while remaining:
@@ -264,7 +290,7 @@ async def stream(server: Server, job: Job, chat: bool) -> AsyncIterator[bytes]:
     Leaving early (the client went away) aborts the requests still running."""
     fmt = Format(server, job, chat)
     head = fmt.head(stream=True)
-    choices = [Choice() for _ in range(job.num_choices)]
+    choices = [fmt.new_choice() for _ in range(job.num_choices)]
     remaining = job.num_choices
     try:
         while remaining:
@@ -282,7 +308,10 @@ async def stream(server: Server, job: Job, chat: bool) -> AsyncIterator[bytes]:
                 remaining -= 1
             if not (d.new_text or d.finish_reason or (fmt.logprobs and d.logprobs) or fmt.echo_pending(c)):
                 continue  # text held back (partial character, possible stop string): nothing to show yet
-            choice = {"index": index, **fmt.delta(c, d, index), "finish_reason": d.finish_reason}
+            body = fmt.delta(c, d, index)
+            if not (body.get("delta", True) or d.finish_reason or body.get("logprobs")):
+                continue  # a tool parser holds the text back (a call may be starting)
+            choice = {"index": index, **body, "finish_reason": fmt.finish_reason(c, d.finish_reason)}
             if d.finish_reason is not None:
                 choice["stop_reason"] = d.stop_reason
             chunk = {**head, "choices": [choice]}

@@ -154,6 +154,15 @@ def test_serve_disagg_one_command(colocated):
             assert [r.status_code for r in got] == [200, 200], got[0].text
             texts = [r.json()["choices"][0]["message"]["content"] for r in got]
             assert texts[0] == texts[1] and texts[0]
+        # tool calling: a named function's arguments under its schema, through the router
+        tool = {"type": "function", "function": {"name": "lookup", "parameters": schema}}
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Look it up."}], "max_tokens": 24,
+                "temperature": 0, "tools": [tool], "tool_choice": {"type": "function", "function": {"name": "lookup"}}}
+        got = [httpx.post(url + "/v1/chat/completions", json=body, timeout=60) for url in (s.url, colocated)]
+        assert [r.status_code for r in got] == [200, 200], got[0].text
+        calls = [r.json()["choices"][0]["message"]["tool_calls"] for r in got]
+        assert [[(c["function"]["name"], c["function"]["arguments"]) for c in cs] for cs in calls] == [
+            [("lookup", calls[1][0]["function"]["arguments"])]] * 2
 
 
 async def _stream_until_cut(url: str, prompt: str, max_tokens: int, cut_after: float | None) -> str:

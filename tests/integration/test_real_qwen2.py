@@ -10,6 +10,7 @@ Memory: transformers' copy is freed as soon as its reference outputs are taken.
 from __future__ import annotations
 
 import gc
+import json
 import os
 
 import pytest
@@ -173,6 +174,58 @@ def test_chat_template_matches_transformers(path, tokenizer):
         assert tokenizer.encode(ours) == hf_tok.encode(ours)
     assert tokenizer.token_to_id("<|im_end|>") == tokenizer.eos_token_id == hf_tok.eos_token_id
     assert tokenizer.encode("def f():")[0] != tokenizer.bos_token_id  # no BOS
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TOOL_CHAT = [
+    {"role": "system", "content": "You help with travel plans."},
+    {"role": "user", "content": "What is the weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature_c": 21, "sky": "clear"}'},
+]
+
+
+def test_chat_template_with_tools_matches_transformers(path, tokenizer):
+    """Tools in the system turn, an assistant's earlier call and the tool's answer: the text as
+    transformers renders it, and the server's encoder (content as plain text) gives the same ids."""
+    from pdserve.server.chat import ChatEncoder
+
+    hf_tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    for messages in (TOOL_CHAT[1:2], TOOL_CHAT):
+        want = hf_tok.apply_chat_template(messages, tools=[WEATHER], tokenize=False, add_generation_prompt=True)
+        assert "<tools>" in want and '"get_weather"' in want
+        assert tokenizer.apply_chat_template(messages, tools=[WEATHER]) == want
+        assert ChatEncoder(tokenizer).encode(messages, True, [WEATHER]) == hf_tok.encode(want, add_special_tokens=False)
+
+
+def test_the_model_calls_a_tool_when_it_should(sequential):
+    """Greedy with a weather tool (`tool_choice` "auto"): asked for the weather, the model calls the tool
+    (as pdserve's parser reads its reply: the 0.5B writes the bare call object, the 1.5B a ```json
+    block); asked something else, it answers in text. (Given the tool's answer, the 0.5B repeats it
+    rather than using it: the Coder models are no strong tool callers.)"""
+    from pdserve.tools import HermesParser, ToolCallAccumulator
+
+    def reply(messages):  # type: ignore[no-untyped-def]
+        out = sequential.chat(messages, SamplingParams(temperature=0, max_tokens=48), use_tqdm=False,
+                              tools=[WEATHER])[0].outputs[0]
+        parser, calls = HermesParser(frozenset({"get_weather"})), ToolCallAccumulator()
+        content, deltas = parser.feed(out.text)
+        rest, more = parser.finish()
+        calls.add(deltas + more)
+        return content + rest, [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls.calls]
+
+    content, calls = reply(TOOL_CHAT[:2])
+    assert calls == [("get_weather", {"city": "Paris"})] and not content
+    content, calls = reply([{"role": "user", "content": "Write a haiku about the sea."}])
+    assert not calls and content
 
 
 def test_chat_ends_at_im_end(sequential):

@@ -373,6 +373,134 @@ def test_chat_content_parts_and_default_max_tokens(client):
     assert a.choices[0].message.content == b.choices[0].message.content
 
 
+# ---- tool calling (SmolLM2's template has no tool-call format: named and "required" only) -----------
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer"}},
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+
+def test_a_named_tool_choice_constrains_the_arguments_to_its_schema(client, offline):
+    """The arguments are the model's output under the function's parameters schema (offline's constrained
+    output, the same prompt); content is null, the finish reason "stop" (as OpenAI's for a forced call),
+    and a stream says the same in pieces."""
+    from pdserve.structured import StructuredOutputs
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=named, max_tokens=40, temperature=0)
+    resp = client.chat.completions.create(**kw)
+    choice = resp.choices[0]
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    assert choice.message.content is None
+    prompt = offline.tokenizer.encode(offline.tokenizer.apply_chat_template(ASK), add_special_tokens=False)
+    assert call.function.arguments == offline_text(
+        offline, prompt, temperature=0, max_tokens=40,
+        structured_outputs=StructuredOutputs(json=WEATHER_TOOL["function"]["parameters"]))
+    assert choice.finish_reason in ("stop", "length")
+    if choice.finish_reason == "stop":
+        args = json.loads(call.function.arguments)
+        assert set(args) == {"city", "days"} and isinstance(args["days"], int) and len(args["city"]) <= 10
+    chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    pieces = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert pieces[0].function.name == "get_weather" and pieces[0].id and all(p.index == 0 for p in pieces)
+    assert "".join(p.function.arguments or "" for p in pieces) == call.function.arguments
+    assert not any(c.choices[0].delta.content for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_tool_choice_required_calls_one_or_more_of_the_tools(client, parallel):
+    """Random draws under "required": every answer is one or more calls of the given tools with arguments
+    that follow their schemas (one at most without parallel calls); finish "tool_calls"; streamed the same."""
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required", max_tokens=120,
+              temperature=1.0, parallel_tool_calls=parallel)
+    finished = 0
+    for seed in range(6):
+        resp = client.chat.completions.create(**kw, seed=seed)
+        choice = resp.choices[0]
+        if choice.finish_reason == "length":
+            continue
+        finished += 1
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        calls = choice.message.tool_calls
+        assert 1 <= len(calls) and (parallel or len(calls) == 1)
+        for call in calls:
+            args = json.loads(call.function.arguments)
+            if call.function.name == "get_weather":
+                assert set(args) == {"city", "days"} and isinstance(args["days"], int)
+            else:
+                assert call.function.name == "get_time" and args in ({"zone": "UTC"}, {"zone": "CET"})
+        chunks = [c for c in client.chat.completions.create(**kw, seed=seed, stream=True) if c.choices]
+        streamed = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+        assert [(t.index, t.function.name, t.function.arguments) for t in streamed] == [
+            (i, c.function.name, c.function.arguments) for i, c in enumerate(calls)]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert finished >= 3
+
+
+def test_tool_choice_none_and_a_tool_conversation(client):
+    """"none" answers as without tools; a conversation with an assistant's tool calls and a tool's answer
+    renders and runs."""
+    plain = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8, temperature=0)
+    none = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8, temperature=0,
+                                          tools=[WEATHER_TOOL], tool_choice="none")
+    assert none.choices[0].message.content == plain.choices[0].message.content
+    assert not none.choices[0].message.tool_calls
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": -3}'},
+    ]
+    resp = client.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0,
+                                          tools=[WEATHER_TOOL], tool_choice="none")
+    assert resp.choices[0].message.content and resp.usage.prompt_tokens > plain.usage.prompt_tokens
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tools": [WEATHER_TOOL]}, "tool_choice"),  # auto by default: this template teaches no call format
+        ({"tools": [WEATHER_TOOL], "tool_choice": "auto"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": [WEATHER_TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name"}}], "tool_choice": "required"}, "tools"),
+        ({"tools": [WEATHER_TOOL, WEATHER_TOOL], "tool_choice": "required"}, "tools"),
+        ({"tools": "get_weather", "tool_choice": "required"}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+          "tool_choice": "required"}, "tools"),  # a schema llguidance refuses
+        ({"tools": [{"type": "function", "function": {"name": "f", "description": "<|im_start|>system"}}],
+          "tool_choice": "required"}, "messages"),  # special tokens in what the template renders
+        ({"messages": ASK + [{"role": "assistant", "tool_calls": [{"type": "function", "function": {
+            "name": "get_weather", "arguments": "{not json"}}]}]}, "messages"),
+        ({"messages": ASK + [{"role": "user", "tool_calls": [{"type": "function", "function": {
+            "name": "get_weather", "arguments": "{}"}}]}]}, "messages"),
+        ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_bad_tools_are_400_before_anything_runs(url, fields, param, stream):
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 4, "stream": stream, **fields}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+
+
 # ---- n, stop, logprobs -----------------------------------------------------------------------------
 
 
@@ -671,6 +799,12 @@ BAD = [
         {"model": MODEL, "messages": MESSAGES, "tools": [{"type": "function"}]},
         400,
         "tools",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": MESSAGES, "tools": [WEATHER_TOOL], "tool_choice": "auto"},
+        400,
+        "tool_choice",
     ),
     ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "slo_itl_ms": 0.0}, 400, "slo_itl_ms"),
     ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "slo_ttft_ms": [1]}, 400, "slo_ttft_ms"),

@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("pdserve.scheduler", "pdserve.runner", "pdserve.sim"),  # control plane / data plane of one step
     ("pdserve.model", "pdserve.attention"),
     ("pdserve.kv", "pdserve.transfer"),  # the KV cache and how it moves between instances
-    ("pdserve.config", "pdserve.registry", "pdserve.extensions", "pdserve.memory", "pdserve.request", "pdserve.batch", "pdserve.outputs", "pdserve.errors", "pdserve.structured"),
+    ("pdserve.config", "pdserve.registry", "pdserve.extensions", "pdserve.memory", "pdserve.request", "pdserve.batch", "pdserve.outputs", "pdserve.errors", "pdserve.structured", "pdserve.tools"),
 )
 
 

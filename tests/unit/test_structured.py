@@ -103,3 +103,37 @@ def test_compile_errors_are_invalid_requests(compiler, so):
 def test_a_tokenizer_without_a_backend_has_no_compiler():
     assert GrammarCompiler.for_tokenizer(object(), 10, frozenset()) is None
     assert GrammarCompiler.for_tokenizer(None, 10, frozenset()) is None
+
+
+def test_an_added_token_of_ordinary_text_is_known_by_its_text():
+    """A token added as ordinary text and also in the model's vocabulary (as GGUF files list Qwen2.5's
+    <tool_call>): the grammar takes it where its text fits (llguidance would read it as a special token,
+    which no text grammar takes, while its masks allowed it), and the tokens its masks allow lead to the
+    same text."""
+    import json
+
+    import tokenizers
+
+    base = tiny_tokenizer().backend
+    model = json.loads(base.to_str())["model"]
+    vocab = {**model["vocab"], "<tag>": len(model["vocab"])}
+    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=merges))
+    backend.pre_tokenizer = base.pre_tokenizer
+    backend.decoder = base.decoder
+    backend.add_special_tokens([tokenizers.AddedToken("<eos>", special=True, normalized=False)])
+    backend.add_tokens([tokenizers.AddedToken("<tag>", special=False, normalized=False)])
+    tag = vocab["<tag>"]
+    ids = backend.encode("no<tag>yes").ids
+    assert tag in ids
+    compiler = GrammarCompiler(backend, 512, frozenset({0}))
+    g = compiler.compile(StructuredOutputs(choice=["no<tag>yes"]))
+    for t in ids:
+        assert g.accept(t), g.error
+    assert g.is_complete
+    g, walked = compiler.compile(StructuredOutputs(choice=["no<tag>yes"])), []
+    while not g.is_complete:
+        t = allowed(g)[0]
+        assert g.accept(t), g.error
+        walked.append(t)
+    assert backend.decode(walked) == "no<tag>yes"
