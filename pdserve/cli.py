@@ -445,7 +445,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     add_http_limit_args(p, RouterConfig, "max_client_connections")
     p.set_defaults(func=cmd_router)
+
+    p = sub.add_parser("top", help="live view of running instances (or a router's): prefill and decode side by side")
+    p.add_argument("url", nargs="*", default=["http://127.0.0.1:8000"],
+                   help="instance or router URLs (a router's instances are followed; default %(default)s)")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between polls of /metrics")
+    p.add_argument("--once", action="store_true", help="print one window and exit")
+    p.add_argument("--json", action="store_true", help="print one window as JSON and exit")
+    p.set_defaults(func=cmd_top)
     return parser
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    import os
+
+    from pdserve.dashboard import run
+
+    if args.interval <= 0:
+        raise ValueError("--interval must be positive")
+    return run(args.url, args.interval, once=args.once, as_json=args.json, api_key=os.environ.get("PDSERVE_API_KEY"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -934,6 +934,31 @@ def test_per_request_targets_are_accepted_and_judged(url, client):
     assert [moved("missed", t) for t in ("ttft", "itl", "tpot", "all")] == [1, 0, 0, 1]
 
 
+def test_pdserve_top_shows_what_the_instance_did(url, client):
+    """`pdserve top`'s poller over a window with 4 requests; its CLI prints the window as JSON."""
+    import subprocess
+    import sys
+
+    from pdserve.dashboard import Poller
+
+    poller = Poller([url])
+    try:
+        poller.poll()
+        for p in PROMPTS:
+            client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+        (w,) = poller.poll()
+    finally:
+        poller.close()
+    assert w.up and w.role == "instance" and w.running == 0
+    assert w.output_tokens_per_s > 0 and w.prompt_tokens_per_s > 0 and w.finished_per_s > 0
+    assert w.prefill_steps_per_s > 0 and w.decode_steps_per_s > 0
+    assert 0 < w.decode_step_p50 <= w.decode_step_p99 and 0 < w.ttft_p50 <= w.ttft_p99 and w.itl_p50 > 0
+    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "top", url, "--json", "--interval", "0.2"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    (row,) = json.loads(out)
+    assert row["url"] == url and row["up"] and "decode_step_p50" in row
+
+
 def test_periodic_stats_log(server, url, client):
     client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
     line = wait_for(

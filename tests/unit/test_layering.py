@@ -17,8 +17,8 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[2] / "pdserve"
 # Top to bottom. A module may import modules on its own floor or below, never above. A module belongs to
 # the longest prefix listed here ("pdserve" alone is the package's facade, `pdserve/__init__.py`).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    # entry points: the facade, the CLI, benchmark clients, the simulator (it drives the engine loop)
-    ("pdserve", "pdserve.cli", "pdserve.bench", "pdserve.sim.simulator", "pdserve.sim.planner"),
+    # entry points: the facade, the CLI, benchmark clients, `pdserve top`, the simulator (it drives the engine loop)
+    ("pdserve", "pdserve.cli", "pdserve.bench", "pdserve.dashboard", "pdserve.sim.simulator", "pdserve.sim.planner"),
     ("pdserve.router",),  # the disaggregation front: HTTP only, no engine
     ("pdserve.server",),  # the OpenAI HTTP front of one instance
     ("pdserve.engine", "pdserve.spec"),  # the engine loop, its builder, its own process; speculation around its executor
