@@ -345,12 +345,17 @@ def chat_message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage object; with `num_cached_tokens` (known once the request finished) its
+    `prompt_tokens_details.cached_tokens`: prompt tokens found in the prefix cache."""
+    out: dict[str, Any] = {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_completion_tokens,
         "total_tokens": num_prompt_tokens + num_completion_tokens,
     }
+    if num_cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": num_cached_tokens}
+    return out
 
 
 class LogprobFormatter:

@@ -72,6 +72,7 @@ class Choice:
 
     text: list[str] = field(default_factory=list)
     num_tokens: int = 0
+    num_cached_tokens: int = 0  # of the prompt, found in the prefix cache (known at the end)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     token_ids: list[int] = field(default_factory=list)  # only when logprobs are wanted
@@ -213,6 +214,7 @@ def add_delta(fmt: Format, c: Choice, d: RequestDelta) -> None:
         c.prompt_logprobs = d.prompt_logprobs
     if d.finish_reason is not None:
         c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+        c.num_cached_tokens = d.num_cached_tokens
 
 
 def whole_body(fmt: Format, job: Job, choices: list[Choice]) -> dict[str, Any]:
@@ -221,8 +223,14 @@ def whole_body(fmt: Format, job: Job, choices: list[Choice]) -> dict[str, Any]:
         {"index": i, **fmt.whole(c, i), "finish_reason": fmt.finish_reason(c, c.finish_reason), "stop_reason": c.stop_reason}
         for i, c in enumerate(choices)
     ]
-    body["usage"] = usage(job.num_prompt_tokens, sum(c.num_tokens for c in choices))
+    body["usage"] = usage(job.num_prompt_tokens, sum(c.num_tokens for c in choices), cached_tokens(job, choices))
     return body
+
+
+def cached_tokens(job: Job, choices: list[Choice]) -> int:
+    """Prompt tokens found in the prefix cache, each prompt counted once (by its first choice), as
+    `usage.prompt_tokens` counts each prompt once."""
+    return sum(choices[p * job.n].num_cached_tokens for p in range(len(job.prompts)))
 
 
 async def after_reservation(
@@ -306,6 +314,7 @@ async def stream(server: Server, job: Job, chat: bool) -> AsyncIterator[bytes]:
             c.num_tokens += len(d.new_token_ids)
             if d.finish_reason is not None:
                 remaining -= 1
+                c.num_cached_tokens = d.num_cached_tokens
             if not (d.new_text or d.finish_reason or (fmt.logprobs and d.logprobs) or fmt.echo_pending(c)):
                 continue  # text held back (partial character, possible stop string): nothing to show yet
             body = fmt.delta(c, d, index)
@@ -322,7 +331,7 @@ async def stream(server: Server, job: Job, chat: bool) -> AsyncIterator[bytes]:
         else:
             if job.include_usage:
                 total = sum(c.num_tokens for c in choices)
-                yield sse({**head, "choices": [], "usage": usage(job.num_prompt_tokens, total)})
+                yield sse({**head, "choices": [], "usage": usage(job.num_prompt_tokens, total, cached_tokens(job, choices))})
         yield DONE
     finally:
         server.client.abort(job.req_ids)

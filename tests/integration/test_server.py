@@ -288,6 +288,22 @@ def test_completion_stream_equals_non_stream(client):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(client):
+    """OpenAI's usage.prompt_tokens_details.cached_tokens: none the first time a prompt is seen, its whole
+    blocks the second time (whole and streamed); each prompt counted once with n > 1."""
+    prompt = "Prefix caching keeps the KV of earlier prompts. " * 12 + "A new question?"
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < again.usage.prompt_tokens and cached % 16 == 0
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+    n3 = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, n=3)
+    assert n3.usage.prompt_tokens_details.cached_tokens == cached and n3.usage.prompt_tokens == again.usage.prompt_tokens
+
+
 def test_continuous_usage_counts_in_every_chunk(client):
     chunks = list(
         client.completions.create(
