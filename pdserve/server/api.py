@@ -6,8 +6,8 @@ choice. Its deltas come back on one queue and are either streamed as server-sent
 one JSON body. A client that goes away (mid-stream or while waiting for a whole response) has its engine
 requests aborted at once, which frees their KV blocks before the engine's next step.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /load,
-GET /metrics. The routes are here; the state and the request-side checks are `front.Server`, the
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize and
+/detokenize (vLLM's), GET /health, GET /load, GET /metrics. The routes are here; the state and the request-side checks are `front.Server`, the
 answers (JSON, SSE, the reservation's early headers) `responses.py`.
 
 Disaggregation (`--role prefill|decode`, driven by `pdserve router`): a generation request may carry
@@ -40,6 +40,8 @@ from pdserve.server.protocol import (
     MAX_LOGPROBS,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     bad_request,
     chat_message_dicts,
     check_unsupported,
@@ -49,6 +51,7 @@ from pdserve.server.protocol import (
     tool_plan,
 )
 from pdserve.server.responses import after_reservation, json_response, respond, stream
+from pdserve.tools import ToolsError, plan_tools
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +225,51 @@ def build_app(config: ServerConfig) -> FastAPI:
             return WatchedStream(stream(server, job, chat=True), media_type="text/event-stream")
         return await respond(server, job, request, chat=True)
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        """vLLM's: the token ids of a prompt, or of chat messages as the chat endpoint templates them."""
+        req: TokenizeRequest = decode_body(await server.body(request), TokenizeRequest)
+        server.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give either prompt or messages", param="prompt")
+        if req.messages is not None:
+            tools = tool_plan_of(req.tools, server.tokenizer.chat_template)
+            ids = await server.tokenize_chat(chat_message_dicts(req.messages), req.add_generation_prompt, tools)
+        else:
+            assert req.prompt is not None
+            server.check_text_length([req.prompt], "prompt")
+            tok, text, special = server.tokenizer, req.prompt, req.add_special_tokens
+            ids = await asyncio.to_thread(lambda: tok.encode(text, add_special_tokens=special))
+        assert server.ready is not None
+        body: dict[str, Any] = {"count": len(ids), "max_model_len": server.ready.max_model_len, "tokens": ids,
+                                "token_strs": None}
+        if req.return_token_strs:
+            body["token_strs"] = [server.tokenizer.id_to_token(t) for t in ids]
+        return json_response(body)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        req: DetokenizeRequest = decode_body(await server.body(request), DetokenizeRequest)
+        server.check_model(req.model)
+        assert server.ready is not None
+        vocab = server.ready.vocab_size
+        if any(t >= vocab for t in req.tokens):
+            raise bad_request(f"tokens must be integers in [0, {vocab})", param="tokens")
+        tok, ids = server.tokenizer, req.tokens
+        return json_response({"prompt": await asyncio.to_thread(lambda: tok.decode(ids, skip_special_tokens=False))})
+
     return app
+
+
+def tool_plan_of(tools: Any, chat_template: str | None) -> list[dict[str, Any]] | None:
+    """The tools a /tokenize request's template shows (checked as the chat endpoint checks them)."""
+    if not tools:
+        return None
+    try:  # (any choice but "none" shows them; "required" asks nothing of the template)
+        plan = plan_tools(tools, "required")
+    except ToolsError as e:
+        raise bad_request(str(e), param=e.param) from None
+    return plan.template_tools if plan is not None else None
 
 
 async def _log_stats(metrics: ServerMetrics, interval: float) -> None:

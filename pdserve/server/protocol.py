@@ -141,6 +141,23 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     add_generation_prompt: bool | None = None
 
 
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's POST /tokenize: a prompt, or chat messages (templated as /v1/chat/completions would)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # (a prompt: BOS where the model wants one)
+    add_generation_prompt: bool = True  # (messages)
+    tools: list[Any] | None = None  # (messages: shown by the template)
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
 _PATH_IN_ERROR = re.compile(r"`\$\.([A-Za-z_]+)")  # "... - at `$.messages[0]`": the top-level field
 _MISSING_FIELD = re.compile(r"field `([A-Za-z_]+)`")  # "Object missing required field `prompt`"
 

@@ -517,6 +517,35 @@ def test_bad_tools_are_400_before_anything_runs(url, fields, param, stream):
     assert r.json()["error"]["param"] == param, r.json()
 
 
+def test_tokenize_and_detokenize(url, client, offline):
+    """vLLM's /tokenize (a prompt, or messages as the chat endpoint templates them) and /detokenize."""
+    tok = offline.tokenizer
+    r = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": PROMPTS[0], "return_token_strs": True}).json()
+    assert r["tokens"] == tok.encode(PROMPTS[0]) and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == MAX_MODEL_LEN and r["token_strs"] == [tok.id_to_token(t) for t in r["tokens"]]
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, temperature=0)
+    r = httpx.post(url + "/tokenize", json={"model": MODEL, "messages": MESSAGES}).json()
+    assert r["count"] == chat.usage.prompt_tokens and r["token_strs"] is None
+    assert r["tokens"] == tok.encode(tok.apply_chat_template(MESSAGES), add_special_tokens=False)
+    with_tools = httpx.post(url + "/tokenize", json={"model": MODEL, "messages": ASK, "tools": [WEATHER_TOOL]}).json()
+    assert with_tools["count"] == httpx.post(url + "/tokenize", json={"model": MODEL, "messages": ASK}).json()["count"]
+    back = httpx.post(url + "/detokenize", json={"model": MODEL, "tokens": r["tokens"]}).json()
+    assert back["prompt"] == tok.apply_chat_template(MESSAGES)
+    for path, body, param in [
+        ("/tokenize", {"model": MODEL}, "prompt"),
+        ("/tokenize", {"model": MODEL, "prompt": "a", "messages": MESSAGES}, "prompt"),
+        ("/tokenize", {"model": MODEL, "prompt": LONG_PROMPT * 40}, "prompt"),
+        ("/tokenize", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, "messages"),
+        ("/tokenize", {"model": MODEL, "messages": ASK, "tools": [{"type": "function"}]}, "tools"),
+        ("/detokenize", {"model": MODEL, "tokens": [1, 49152]}, "tokens"),
+        ("/detokenize", {"model": MODEL, "tokens": [-1]}, "tokens"),
+        ("/detokenize", {"model": MODEL}, "tokens"),
+    ]:
+        got = httpx.post(url + path, json=body)
+        assert got.status_code == 400 and got.json()["error"]["param"] == param, (body, got.text)
+    assert httpx.post(url + "/detokenize", json={"model": "gpt-4", "tokens": [1]}).status_code == 404
+
+
 # ---- n, stop, logprobs -----------------------------------------------------------------------------
 
 
