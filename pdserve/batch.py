@@ -38,8 +38,9 @@ class BatchRequest:
     # positions in this step predict, token_ids[j] -> prompt_targets[j] (fewer at the prompt's end).
     prompt_targets: list[int] | None = None
     # For a sampling request under a structured-output grammar: the tokens it may sample, one bit per
-    # vocabulary entry (bit t % 8 of byte t // 8); the sampler gives every other token -inf.
-    allowed: bytes | None = None
+    # vocabulary entry (bit t % 8 of byte t // 8), after 0, 1, ..., num_spec_tokens of its drafts (one
+    # mask per row it samples from); the sampler gives every other token -inf.
+    allowed: tuple[bytes, ...] | None = None
 
     @property
     def num_new_tokens(self) -> int:

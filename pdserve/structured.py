@@ -11,7 +11,8 @@ InvalidRequestError there, nothing allocated); from then on:
   sampler sets every other token's logit to -inf before choosing (greedy, random, or verifying drafts);
 - the scheduler feeds each accepted token to the grammar and finishes the request with "stop" once the
   grammar is complete (EOS is allowed only where the grammar accepts);
-- a request under a grammar gets no draft tokens (its drafts would need a mask per draft position).
+- with speculative decoding, a request's drafts are cut to those its grammar takes, and the step gets
+  a mask for each draft position (`bitmasks_with_drafts`) so drafts are verified under the grammar.
 
 Compiling is ~1 ms for ordinary schemas (host G); llguidance's parser limits bound pathological ones.
 """
@@ -126,6 +127,10 @@ class Grammar:
         """Take a sampled token; False (and the grammar broken for good) if it was not allowed."""
         return bool(self._matcher.consume_token(token))
 
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens` the grammar would take in a row from here (nothing is taken)."""
+        return int(self._matcher.validate_tokens(list(tokens))) if tokens else 0
+
     @property
     def is_complete(self) -> bool:
         """Nothing more may follow (the grammar is satisfied and cannot be extended, or EOS was taken)."""
@@ -153,6 +158,30 @@ def bitmasks(grammars: Sequence[Grammar]) -> list[bytes]:
         [(g._matcher, i) for i, g in enumerate(grammars)], out.ctypes.data, words * 4, len(grammars)
     )
     return [row.tobytes() for row in out]
+
+
+def bitmasks_with_drafts(items: Sequence[tuple[Grammar, Sequence[int]]]) -> list[tuple[bytes, ...]]:
+    """For each (grammar, draft tokens): the masks after 0, 1, ..., k of its drafts (k + 1 masks, the
+    layout of `bitmasks`), for verifying drafts under the grammar; the grammars end as they began. The
+    drafts must be ones the grammar takes (`Grammar.valid_prefix`). One call on llguidance's thread pool,
+    which advances each matcher through its drafts and rolls it back."""
+    if not any(drafts for _, drafts in items):
+        return [(m,) for m in bitmasks([g for g, _ in items])]
+    import numpy as np
+
+    compiler = items[0][0]._compiler
+    assert all(g._compiler is compiler for g, _ in items), "grammars of one engine's compiler"
+    words = (compiler.table_vocab_size + 31) // 32
+    starts = [0]
+    for _, drafts in items:
+        starts.append(starts[-1] + len(drafts) + 1)
+    out = np.empty((starts[-1], words), dtype=np.int32)
+    ex = compiler.executor
+    with_drafts = [(g._matcher, starts[i], list(d)) for i, (g, d) in enumerate(items) if d]
+    ex.unsafe_compute_mask_ptr_with_draft_token(with_drafts, out.ctypes.data, words * 4, starts[-1])
+    if without := [(g._matcher, starts[i]) for i, (g, d) in enumerate(items) if not d]:
+        ex.unsafe_compute_mask_ptr(without, out.ctypes.data, words * 4, starts[-1])
+    return [tuple(row.tobytes() for row in out[starts[i] : starts[i + 1]]) for i in range(len(items))]
 
 
 class GrammarCompiler:

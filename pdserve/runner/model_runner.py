@@ -96,7 +96,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, rows), upcast=False)
         params = [r.params for r in sampling]
         histories = [None if r.history is None else History(*r.history, r.stop_ids or ()) for r in sampling]
-        allowed = [r.allowed for r in sampling]
+        allowed = [r.allowed[0] if r.allowed else None for r in sampling]
         md = SamplingMetadata.from_params(params, gens, self.vocab_size, self.device, histories, allowed)
         so = self.sampler(logits, md)
         token_ids = [[t] for t in so.token_ids.tolist()]
@@ -187,12 +187,12 @@ class ModelRunner:
         params: list[SamplingParams] = []
         drafts: list[int] = []
         histories: list[History | None] = []  # row j of a request with penalties: its sequence + j drafts
-        allowed: list[bytes | None] = []  # a grammar's mask holds for row 0 (its requests get no drafts)
+        allowed: list[bytes | None] = []  # row j of a request under a grammar: its mask after j drafts
         for r in sampling:
             k, last = r.num_spec_tokens, flat_pos[id(r)]
             rows.extend(range(last - k, last + 1))
             params.extend([r.params] * (k + 1))
-            allowed.extend([r.allowed] + [None] * k)
+            allowed.extend(r.allowed if r.allowed else [None] * (k + 1))
             own = r.token_ids[len(r.token_ids) - k :]
             drafts.extend(own)
             if r.history is None:

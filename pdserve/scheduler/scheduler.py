@@ -41,7 +41,7 @@ from pdserve.kv.block_manager import BlockManager, HostBlockPool
 from pdserve.request import FinishReason, Request, RequestStatus
 from pdserve.scheduler.policies import Policy, StepPlan
 from pdserve.scheduler.step_model import StepTimeModel
-from pdserve.structured import bitmasks
+from pdserve.structured import bitmasks_with_drafts
 
 
 @dataclass(slots=True)
@@ -80,8 +80,11 @@ class SchedulerOutput:
     def to_batch(self) -> Batch:
         """A snapshot of what runs this step, for the executor (token ids, positions, block tables)."""
         requests = []
-        constrained = [s.req for s in self.scheduled if s.req.grammar is not None and s.samples]
-        masks = dict(zip(map(id, constrained), bitmasks([r.grammar for r in constrained]))) if constrained else {}
+        constrained = [s for s in self.scheduled if s.req.grammar is not None and s.samples]
+        masks = {}
+        if constrained:  # the masks after 0..k drafts (cut to what the grammar takes when proposed)
+            items = [(s.req.grammar, s.req.spec_token_ids[: s.num_spec_tokens]) for s in constrained]
+            masks = dict(zip((id(s.req) for s in constrained), bitmasks_with_drafts(items)))  # type: ignore[arg-type]
         for s in self.scheduled:  # (the properties of ScheduledRequest inlined: this runs every step)
             req = s.req
             start = req.num_computed_tokens
@@ -233,7 +236,7 @@ class Scheduler:
     def set_drafts(self, req: Request, drafts: Sequence[int]) -> None:
         """Drafts proposed outside a step (a request whose KV and first token just arrived) for the
         request's next step, capped as those that come with a step's output."""
-        req.spec_token_ids = list(drafts[: self._max_spec_tokens(req)])
+        req.spec_token_ids = self._capped_drafts(req, drafts)
 
     def finish_sending(self, req_id: str, error: str | None = None) -> Request | None:
         """The KV transfer of a prefilled request ended (error None: delivered); free its blocks."""
@@ -487,7 +490,7 @@ class Scheduler:
                 continue
             bm.truncate(req, req.num_tokens)  # slots of rejected drafts
             if drafts:
-                req.spec_token_ids = drafts[: self._max_spec_tokens(req)]
+                req.spec_token_ids = self._capped_drafts(req, drafts)
         return updated
 
     def _append(
@@ -510,11 +513,15 @@ class Scheduler:
                 break
         return reason, stop_reason
 
+    def _capped_drafts(self, req: Request, drafts: Sequence[int]) -> list[int]:
+        """The drafts worth running: a step accepts at most drafts + 1 tokens, none past max_tokens or the
+        context length, and under a structured-output grammar none past the first it refuses."""
+        drafts = list(drafts[: self._max_spec_tokens(req)])
+        if req.grammar is not None and drafts:
+            drafts = drafts[: req.grammar.valid_prefix(drafts)]
+        return drafts
+
     def _max_spec_tokens(self, req: Request) -> int:
-        """Drafts worth running: a step accepts at most drafts + 1 tokens, and none past max_tokens or the
-        context length."""
-        if req.grammar is not None:  # (a draft would need its own mask, after the drafts before it)
-            return 0
         n = req.params.max_tokens - req.num_output_tokens - 1
         if req.max_model_len:
             n = min(n, req.max_model_len - req.num_tokens)

@@ -117,9 +117,12 @@ def prompts() -> list[list[int]]:
     return random_prompts(5, 3, 30, seed=31, vocab=400)
 
 
+@pytest.mark.parametrize("spec", [False, True], ids=["plain", "ngram"])
 @pytest.mark.parametrize("kind", list(CONSTRAINTS))
-def test_random_samples_satisfy_the_constraint(make_llm, prompts, kind) -> None:  # type: ignore[no-untyped-def]
-    llm = make_llm()
+def test_random_samples_satisfy_the_constraint(make_llm, prompts, kind, spec) -> None:  # type: ignore[no-untyped-def]
+    """Random draws satisfy the constraint, with or without n-gram drafts (verified by rejection sampling
+    under each draft position's mask)."""
+    llm = make_llm(speculative_config=NGRAM) if spec else make_llm()
     so = CONSTRAINTS[kind]
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=80, structured_outputs=so) for s in range(len(prompts))]
     outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -184,7 +187,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
         dict(num_blocks=20),  # preemption: a recomputed sequence's grammar keeps its state
         dict(num_blocks=20, preemption_mode="swap"),
         dict(attention_backend="cpu-paged"),
-        dict(speculative_config=NGRAM),  # constrained requests take no drafts
+        dict(speculative_config=NGRAM),  # drafts verified under each draft position's mask
     ],
     ids=["default", "no-prefix-cache", "chunked", "recompute", "swap", "cpu-paged", "ngram"],
 )
@@ -205,6 +208,12 @@ def test_constrained_greedy_equals_the_reference(make_llm, prompts, references, 
     if "speculative_config" in opts:
         stats = llm.engine.spec_decode_stats
         assert stats is not None and stats.num_draft_tokens > 0  # the plain requests still speculate
+        # ... and so do the constrained ones: alone, they run and accept drafts, with the same output
+        spec = make_llm(**opts)
+        alone_c = spec.generate([p for p in prompts for _ in kinds], [q for _ in prompts for q in params], use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in alone_c] == got[: len(prompts) * len(kinds)]
+        s = spec.engine.spec_decode_stats
+        assert s is not None and s.num_draft_tokens > 0 and s.num_accepted_tokens > 0, s
     if opts.get("num_blocks") == 20:
         assert any(o.metrics is not None and o.metrics.num_preemptions for o in outs[: len(prompts) * len(kinds)])
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks

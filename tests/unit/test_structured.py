@@ -137,3 +137,34 @@ def test_an_added_token_of_ordinary_text_is_known_by_its_text():
         assert g.accept(t), g.error
         walked.append(t)
     assert backend.decode(walked) == "no<tag>yes"
+
+
+def test_masks_after_each_draft_equal_taking_the_drafts_one_by_one(compiler):
+    """`bitmasks_with_drafts`: the mask after 0..k drafts, as taking them one at a time gives, with the
+    grammar left where it was; grammars without drafts in the same call; a refused draft cuts
+    `valid_prefix`."""
+    from pdserve.structured import bitmasks, bitmasks_with_drafts
+
+    tok = tiny_tokenizer()
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    g = compiler.compile(StructuredOutputs(json=schema))
+    h = compiler.compile(StructuredOutputs(choice=["yes", "no"]))
+    ids = tok.encode('{"name":"Ada","age":36}')
+    assert g.accept(ids[0])
+    drafts = ids[1:]
+    assert g.valid_prefix(drafts) == len(drafts)
+    assert g.valid_prefix(drafts[:2] + tok.encode("x") + drafts[2:]) == 2
+    got = bitmasks_with_drafts([(h, []), (g, drafts)])
+    want = []
+    for j in range(len(drafts) + 1):
+        want.append(bitmasks([g])[0])
+        if j < len(drafts):
+            assert g.accept(drafts[j])
+    assert got[0] == (bitmasks([h])[0],)
+    assert list(got[1]) == want and len(set(want)) > 3
+    fresh = compiler.compile(StructuredOutputs(json=schema))
+    assert fresh.accept(ids[0])
+    bitmasks_with_drafts([(fresh, drafts)])
+    assert bitmasks([fresh])[0] == want[0]  # rolled back
+    assert bitmasks_with_drafts([(h, [])]) == [(bitmasks([h])[0],)]
