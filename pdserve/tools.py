@@ -240,6 +240,17 @@ def message_tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
     return out
 
 
+def parse_tool_calls(text: str, tools: list[dict[str, Any]], max_calls: int | None = None) -> tuple[str | None, list[dict[str, Any]]]:
+    """A whole reply to a chat with `tools` (as `LLM.chat(..., tools=...)` returns it), read as the
+    server reads an `"auto"` reply: (content, or None when only calls; OpenAI's tool calls)."""
+    parser = HermesParser(frozenset(t["function"]["name"] for t in tools), max_calls)
+    content, deltas = parser.feed(text)
+    rest, more = parser.finish()
+    calls = ToolCallAccumulator()
+    calls.add(deltas + more)
+    return (content + rest) or (None if calls.calls else ""), calls.calls
+
+
 def finish_reason(parser: ToolParser | None, reason: str | None) -> str | None:
     """OpenAI's finish reason: "tool_calls" where the model chose to call tools and stopped by itself."""
     if parser is not None and parser.made_calls and not parser.forced and reason == "stop":

@@ -211,16 +211,13 @@ def test_the_model_calls_a_tool_when_it_should(sequential):
     (as pdserve's parser reads its reply: the 0.5B writes the bare call object, the 1.5B a ```json
     block); asked something else, it answers in text. (Given the tool's answer, the 0.5B repeats it
     rather than using it: the Coder models are no strong tool callers.)"""
-    from pdserve.tools import HermesParser, ToolCallAccumulator
+    from pdserve.tools import parse_tool_calls
 
     def reply(messages):  # type: ignore[no-untyped-def]
         out = sequential.chat(messages, SamplingParams(temperature=0, max_tokens=48), use_tqdm=False,
                               tools=[WEATHER])[0].outputs[0]
-        parser, calls = HermesParser(frozenset({"get_weather"})), ToolCallAccumulator()
-        content, deltas = parser.feed(out.text)
-        rest, more = parser.finish()
-        calls.add(deltas + more)
-        return content + rest, [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls.calls]
+        content, calls = parse_tool_calls(out.text, [WEATHER])
+        return content, [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
 
     content, calls = reply(TOOL_CHAT[:2])
     assert calls == [("get_weather", {"city": "Paris"})] and not content

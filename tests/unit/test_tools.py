@@ -237,3 +237,13 @@ def test_earlier_tool_calls_reach_the_template_with_their_arguments_as_objects()
 
 def test_required_schema_is_json_serialisable():
     json.dumps(plan_tools([WEATHER, TIME], "required").constraint().json)
+
+
+def test_parse_tool_calls_reads_a_whole_reply_as_the_server_does():
+    from pdserve.tools import parse_tool_calls
+
+    content, calls = parse_tool_calls('Sure.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>',
+                                      [WEATHER, TIME])
+    assert content == "Sure." and [c["function"] for c in calls] == [{"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
+    assert parse_tool_calls("Just text.", [WEATHER]) == ("Just text.", [])
+    assert parse_tool_calls('{"name": "get_time", "arguments": {}}', [WEATHER])[1] == []  # not a given tool
