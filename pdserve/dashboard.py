@@ -175,9 +175,12 @@ def router_instances(samples: Samples) -> list[tuple[str, str]]:
     return sorted(set(found))
 
 
+MAX_INSTANCES = 64  # rows followed from routers' labels (what a router names is only polled over HTTP(S))
+
+
 class Poller:
-    """Reads /metrics of the given URLs (and of the instances behind a router) and keeps the last read
-    of each, so every `poll` returns the windows since the previous one."""
+    """Reads /metrics of the given URLs (and of the instances behind a router, at most `MAX_INSTANCES`)
+    and keeps the last read of each, so every `poll` returns the windows since the previous one."""
 
     def __init__(self, urls: Sequence[str], api_key: str | None = None, timeout: float = 5.0) -> None:
         import httpx
@@ -213,7 +216,8 @@ class Poller:
             instances = router_instances(now)
             if instances:
                 out.append(router_window(url, now, before, dt))
-                targets.extend((u, r) for u, r in instances)
+                followed = [(u, r) for u, r in instances if u.startswith(("http://", "https://"))]
+                targets.extend(followed[: max(0, MAX_INSTANCES - len(seen) - len(targets))])
             else:
                 out.append(window(url, role or "instance", now, before, dt))
         return out
