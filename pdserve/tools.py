@@ -206,12 +206,7 @@ def _check_tool(tool: Any, i: int) -> dict[str, Any]:
     parameters = fn.get("parameters")
     if parameters is not None and not isinstance(parameters, dict):
         raise ToolsError(f"{where}.function.parameters must be a JSON schema object", "tools")
-    out: dict[str, Any] = {"name": name}
-    if description is not None:
-        out["description"] = description
-    if parameters is not None:
-        out["parameters"] = parameters
-    return {"type": "function", "function": out}
+    return {"type": "function", "function": dict(fn)}  # as sent (`strict` too): templates show what they get
 
 
 def message_tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:

@@ -117,3 +117,16 @@ def test_the_tools_reach_the_template(client):
     none = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="none",
                                           max_tokens=1, temperature=0)
     assert none.usage.prompt_tokens == hf_len(None)  # "none": the tools are not shown
+
+
+def test_each_choice_has_its_own_parser(client):
+    """n = 2, streamed: both choices' calls arrive under their own index, whole."""
+    chunks = [c for c in ask(client, TAGGED, stream=True, n=2) if c.choices]
+    calls: dict[int, list[str]] = {0: [], 1: []}
+    for c in chunks:
+        for t in c.choices[0].delta.tool_calls or []:
+            if t.function.name:
+                calls[c.choices[0].index].append(t.function.name)
+    assert calls == {0: ["get_weather", "get_time"], 1: ["get_weather", "get_time"]}
+    whole = ask(client, TAGGED, n=2)
+    assert [[t.function.name for t in ch.message.tool_calls] for ch in whole.choices] == [["get_weather", "get_time"]] * 2
