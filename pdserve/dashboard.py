@@ -189,6 +189,7 @@ class Poller:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(timeout=timeout, headers=headers)
         self.last: dict[str, tuple[float, Samples]] = {}
+        self.roles: dict[str, str] = {}  # an instance's role as its /load says (prefill, decode, both)
 
     def _read(self, url: str) -> Samples:
         r = self.client.get(url + "/metrics")
@@ -219,8 +220,20 @@ class Poller:
                 followed = [(u, r) for u, r in instances if u.startswith(("http://", "https://"))]
                 targets.extend(followed[: max(0, MAX_INSTANCES - len(seen) - len(targets))])
             else:
-                out.append(window(url, role or "instance", now, before, dt))
+                out.append(window(url, role or self._role(url), now, before, dt))
         return out
+
+    def _role(self, url: str) -> str:
+        """The role in the instance's GET /load, asked once ("instance" if it will not say: a cluster
+        secret guards /load)."""
+        if url not in self.roles:
+            try:
+                r = self.client.get(url + "/load")
+                role = r.json().get("role") if r.status_code == 200 else None
+            except Exception:  # noqa: BLE001 - only a label
+                role = None
+            self.roles[url] = role if isinstance(role, str) and role.isidentifier() else "instance"
+        return self.roles[url]
 
     def close(self) -> None:
         self.client.close()
