@@ -397,7 +397,7 @@ class HermesParser:
         body = text.strip()
         if body.startswith("```"):
             first, _, body = body.partition("\n")
-            if first[3:].strip() not in ("", "json") or not body.rstrip().endswith("```"):
+            if first[3:].strip().lower() not in ("", "json") or not body.rstrip().endswith("```"):
                 return None
             body = body.rstrip()[:-3]
         try:
@@ -424,7 +424,7 @@ def _opens_a_bare_call(text: str) -> bool | None:
     line, newline, rest = head.partition("\n")
     if not newline:
         return None if len(line) <= 16 else False  # (a fence's language is a short word)
-    if line[3:].strip() not in ("", "json"):
+    if line[3:].strip().lower() not in ("", "json"):
         return False
     rest = rest.lstrip()
     return (rest[0] in "{[") if rest else None

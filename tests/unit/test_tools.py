@@ -96,6 +96,7 @@ CASES += [
     ('```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```', None,
      [("get_weather", '{"city": "Paris"}')]),
     ('```\n[{"name": "get_time", "arguments": {}}]\n```\n', None, [("get_time", "{}")]),
+    ('```JSON\n{"name": "get_time", "arguments": {}}\n```', None, [("get_time", "{}")]),
     ('```json\n{"a": 1}\n```', '```json\n{"a": 1}\n```', []),
     ('```python\nprint({"name": "get_time"})\n```', '```python\nprint({"name": "get_time"})\n```', []),
     ('```json\n{"name": "get_time", "arguments": {}}\n``` done', '```json\n{"name": "get_time", "arguments": {}}\n``` done', []),
