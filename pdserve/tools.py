@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from pdserve.errors import InvalidRequestError
@@ -102,7 +102,6 @@ class ToolPlan:
     tools: tuple[dict[str, Any], ...]  # as checked, in OpenAI's shape (what the template renders)
     name: str | None = None  # the named function
     parallel: bool = True
-    chat_template: str | None = field(default=None, compare=False)
 
     @property
     def template_tools(self) -> list[dict[str, Any]] | None:
@@ -189,7 +188,7 @@ def plan_tools(
             'tool_choice "auto" needs a model whose chat template teaches a tool-call format pdserve parses '
             "(Hermes <tool_call> JSON, as Qwen2.5's); this model's does not. Ask for tool_choice \"required\" "
             "or a named function: the output is then constrained to the tools' schemas", "tool_choice")
-    return ToolPlan(choice, checked, name, parallel, chat_template)
+    return ToolPlan(choice, checked, name, parallel)
 
 
 def _check_tool(tool: Any, i: int) -> dict[str, Any]:
