@@ -6,7 +6,8 @@ instance, what changed since the last poll: the requests running / waiting / swa
 use now; prompt and output tokens per second; engine steps that ran prompt tokens and steps that only
 decoded, each with its rate and its p50 / p99 duration in the window (from the histograms' bucket
 counts, interpolated within a bucket as Prometheus' `histogram_quantile` does); TTFT and ITL p50 / p99
-of the window; preemptions, prefix-cache hits, KV moved between instances and speculative acceptance.
+of the window; preemptions, prefix-cache hits, KV moved between instances, speculative acceptance and
+the share of finished requests that met all their latency targets.
 A router's own row: requests by outcome, retries, time to first byte.
 
 `--once` prints one window (two polls) and exits; `--json` prints it as JSON (for scripts and tests).
@@ -105,6 +106,7 @@ class Window:
     kv_sent_mb_per_s: float | None = None
     kv_received_mb_per_s: float | None = None
     spec_acceptance: float | None = None
+    slo_met_ratio: float | None = None  # of the requests with targets that finished in the window: all met
     router: dict[str, float | None] = field(default_factory=dict)  # a router's own figures
 
 
@@ -148,6 +150,10 @@ def window(url: str, role: str, now: Samples, before: Samples, dt: float) -> Win
     drafted = _rate(now, before, dt, "pdserve:spec_decode_num_draft_tokens_total")
     accepted = _rate(now, before, dt, "pdserve:spec_decode_num_accepted_tokens_total")
     w.spec_acceptance = accepted / drafted if accepted is not None and drafted else None
+    met = _rate(now, before, dt, "pdserve:request_slo_met_total", target="all")
+    missed = _rate(now, before, dt, "pdserve:request_slo_missed_total", target="all")
+    judged = (met or 0.0) + (missed or 0.0)
+    w.slo_met_ratio = (met or 0.0) / judged if judged else None
     return w
 
 
@@ -279,6 +285,8 @@ def render(windows: Sequence[Window], interval: float) -> Any:
             other.append(f"KV in {w.kv_received_mb_per_s:.1f} MB/s")
         if w.spec_acceptance is not None:
             other.append(f"spec accept {100 * w.spec_acceptance:.0f}%")
+        if w.slo_met_ratio is not None:
+            other.append(f"SLO met {100 * w.slo_met_ratio:.0f}%")
         table.add_row(
             _host(w.url), w.role,
             f"{_num(w.running, '{:.0f}')}/{_num(w.waiting, '{:.0f}')}/{_num(w.swapped, '{:.0f}')}",

@@ -82,3 +82,18 @@ def test_the_table_has_a_row_per_instance():
     text = console.export_text()
     assert "a:1" in text and "1,234" in text and "17.5" in text
     assert "b:2" in text and "down" in text and "ConnectError" in text
+
+
+def test_the_slo_share_counts_the_windows_judged_requests():
+    def read(met: float, missed: float) -> str:
+        reg = CollectorRegistry()
+        m = Counter("pdserve:request_slo_met", "m", ["model_name", "target"], registry=reg)
+        x = Counter("pdserve:request_slo_missed", "x", ["model_name", "target"], registry=reg)
+        m.labels("m", "all").inc(met)
+        m.labels("m", "ttft").inc(100)  # (per-target series are not the share)
+        x.labels("m", "all").inc(missed)
+        return generate_latest(reg).decode()
+
+    w = window("http://x", "both", parse_metrics(read(13, 5)), parse_metrics(read(10, 4)), dt=1.0)
+    assert w.slo_met_ratio == pytest.approx(0.75)
+    assert window("http://x", "both", parse_metrics(read(10, 4)), parse_metrics(read(10, 4)), 1.0).slo_met_ratio is None
