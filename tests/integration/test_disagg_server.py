@@ -154,6 +154,16 @@ def test_serve_disagg_one_command(colocated):
             assert [r.status_code for r in got] == [200, 200], got[0].text
             texts = [r.json()["choices"][0]["message"]["content"] for r in got]
             assert texts[0] == texts[1] and texts[0]
+        # `pdserve top` on the router: the router's row, then each instance it names, with its role
+        from pdserve.dashboard import Poller
+
+        poller = Poller([s.url])
+        try:
+            rows = poller.poll()
+        finally:
+            poller.close()
+        assert (rows[0].role, rows[0].up) == ("router", True)
+        assert sorted((w.role, w.up) for w in rows[1:]) == [("decode", True), ("prefill", True)]
         # tool calling: a named function's arguments under its schema, through the router
         tool = {"type": "function", "function": {"name": "lookup", "parameters": schema}}
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Look it up."}], "max_tokens": 24,
