@@ -459,11 +459,25 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_top(args: argparse.Namespace) -> int:
     import os
 
-    from pdserve.dashboard import run
+    from pdserve import dashboard
 
     if args.interval <= 0:
         raise ValueError("--interval must be positive")
-    return run(args.url, args.interval, once=args.once, as_json=args.json, api_key=os.environ.get("PDSERVE_API_KEY"))
+    key = os.environ.get("PDSERVE_API_KEY")
+    if not (args.once or args.json):
+        dashboard.live(args.url, args.interval, key)
+        return 0
+    windows = dashboard.one_window(args.url, args.interval, key)
+    if args.json:
+        print(dashboard.as_json(windows))
+    else:
+        from rich.console import Console
+
+        console = Console()
+        if not console.is_terminal:  # a pipe or a file: no terminal to fit
+            console = Console(width=200)
+        console.print(dashboard.render(windows, args.interval))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,8 @@ of the window; preemptions, prefix-cache hits, KV moved between instances, specu
 the share of finished requests that met all their latency targets.
 A router's own row: requests by outcome, retries, time to first byte.
 
-`--once` prints one window (two polls) and exits; `--json` prints it as JSON (for scripts and tests).
+`--once` prints one window (two polls, `one_window`) and exits; `--json` prints it as JSON (for scripts and
+tests).
 Nothing here talks to the engine but HTTP: it works against any pdserve host it can reach.
 """
 
@@ -304,31 +305,33 @@ def _host(url: str) -> str:
     return url.split("://", 1)[-1]
 
 
-def run(urls: Sequence[str], interval: float = 2.0, once: bool = False, as_json: bool = False,
-        api_key: str | None = None) -> int:
-    """`pdserve top`: until Ctrl-C, or one window with `once` (or `as_json`)."""
-    from rich.console import Console
+def one_window(urls: Sequence[str], interval: float, api_key: str | None = None) -> list[Window]:
+    """Two polls `interval` seconds apart: what every instance did in between."""
+    poller = Poller(urls, api_key)
+    try:
+        poller.poll()
+        time.sleep(interval)
+        return poller.poll()
+    finally:
+        poller.close()
+
+
+def live(urls: Sequence[str], interval: float = 2.0, api_key: str | None = None) -> None:
+    """The table, redrawn every `interval` seconds until Ctrl-C."""
     from rich.live import Live
 
     poller = Poller(urls, api_key)
     try:
         poller.poll()  # the first read: the windows start here
-        if once or as_json:
-            time.sleep(interval)
-            windows = poller.poll()
-            if as_json:
-                print(json.dumps([asdict(w) for w in windows], indent=1))
-            else:
-                console = Console()
-                if not console.is_terminal:  # a pipe or a file: no terminal to fit
-                    console = Console(width=200)
-                console.print(render(windows, interval))
-            return 0
-        with Live(render([], interval), auto_refresh=False) as live:
+        with Live(render([], interval), auto_refresh=False) as view:
             while True:
                 time.sleep(interval)
-                live.update(render(poller.poll(), interval), refresh=True)
+                view.update(render(poller.poll(), interval), refresh=True)
     except KeyboardInterrupt:
-        return 0
+        pass
     finally:
         poller.close()
+
+
+def as_json(windows: Sequence[Window]) -> str:
+    return json.dumps([asdict(w) for w in windows], indent=1)
