@@ -522,6 +522,7 @@ class Scheduler:
         return drafts
 
     def _max_spec_tokens(self, req: Request) -> int:
+        """How many drafts fit before max_tokens and the context length."""
         n = req.params.max_tokens - req.num_output_tokens - 1
         if req.max_model_len:
             n = min(n, req.max_model_len - req.num_tokens)

@@ -7,8 +7,9 @@ one JSON body. A client that goes away (mid-stream or while waiting for a whole 
 requests aborted at once, which frees their KV blocks before the engine's next step.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize and
-/detokenize (vLLM's), GET /health, GET /load, GET /metrics. The routes are here; the state and the request-side checks are `front.Server`, the
-answers (JSON, SSE, the reservation's early headers) `responses.py`.
+/detokenize (vLLM's), GET /health, GET /load, GET /metrics. The routes are here; the state and the
+request-side checks are `front.Server`, the answers (JSON, SSE, the reservation's early headers)
+`responses.py`.
 
 Disaggregation (`--role prefill|decode`, driven by `pdserve router`): a generation request may carry
 `kv_transfer_params`. On a decode instance (`remote_prefill`) the response starts as soon as the engine

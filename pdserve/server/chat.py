@@ -6,8 +6,9 @@ tokens anywhere in its input. Here the template is rendered with a random marker
 message's content; the special tokens of the template's own text are meant, and everything between two
 of them (template text and contents together, as the tokenizer would see it: BPE merges across a
 content's edges, as Qwen2.5's ".\n\n" after a system prompt) is tokenized by a copy of the tokenizer that
-does not match special tokens, so a content's special-token strings stay plain text. For a template that does not show every content exactly once (it trims or repeats it), the usual
-rendering is used and content holding a special token's text is refused instead. What else a request puts
+does not match special tokens, so a content's special-token strings stay plain text. For a template
+that does not show every content exactly once (it trims or repeats it), the usual rendering is used and
+content holding a special token's text is refused instead. What else a request puts
 into the template's text (names, tool definitions, the arguments of earlier tool calls) must not hold a
 special token's text either.
 """
