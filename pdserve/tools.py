@@ -234,7 +234,9 @@ def message_tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
     return out
 
 
-def parse_tool_calls(text: str, tools: list[dict[str, Any]], max_calls: int | None = None) -> tuple[str | None, list[dict[str, Any]]]:
+def parse_tool_calls(
+    text: str, tools: list[dict[str, Any]], max_calls: int | None = None
+) -> tuple[str | None, list[dict[str, Any]]]:
     """A whole reply to a chat with `tools` (as `LLM.chat(..., tools=...)` returns it), read as the
     server reads an `"auto"` reply: (content, or None when only calls; OpenAI's tool calls)."""
     parser = HermesParser(frozenset(t["function"]["name"] for t in tools), max_calls)

@@ -151,7 +151,10 @@ class LLM:
         if tok is None:
             raise InvalidRequestError("this engine has no tokenizer, so no chat template")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [tok.apply_chat_template(list(c), add_generation_prompt=True, tools=tools) for c in convs]  # type: ignore[attr-defined]
+        prompts = [
+            tok.apply_chat_template(list(c), add_generation_prompt=True, tools=tools)  # type: ignore[attr-defined]
+            for c in convs
+        ]
         return self.generate(prompts, params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

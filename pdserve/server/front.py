@@ -196,7 +196,8 @@ class Server:
     ) -> list[int]:
         """Template and tokenize the messages (and the tools the template shows) in a worker thread, after
         a cheap length check."""
-        texts = [m["content"] for m in messages] + [json.dumps(m["tool_calls"]) for m in messages if m.get("tool_calls")]
+        texts = [m["content"] for m in messages]
+        texts += [json.dumps(m["tool_calls"]) for m in messages if m.get("tool_calls")]
         self.check_text_length(texts + ([json.dumps(tools)] if tools else []), "messages")
 
         encoder = self.chat_encoder

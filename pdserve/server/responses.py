@@ -220,7 +220,8 @@ def add_delta(fmt: Format, c: Choice, d: RequestDelta) -> None:
 def whole_body(fmt: Format, job: Job, choices: list[Choice]) -> dict[str, Any]:
     body = fmt.head(stream=False)
     body["choices"] = [
-        {"index": i, **fmt.whole(c, i), "finish_reason": fmt.finish_reason(c, c.finish_reason), "stop_reason": c.stop_reason}
+        {"index": i, **fmt.whole(c, i), "finish_reason": fmt.finish_reason(c, c.finish_reason),
+         "stop_reason": c.stop_reason}
         for i, c in enumerate(choices)
     ]
     body["usage"] = usage(job.num_prompt_tokens, sum(c.num_tokens for c in choices), cached_tokens(job, choices))
@@ -331,7 +332,8 @@ async def stream(server: Server, job: Job, chat: bool) -> AsyncIterator[bytes]:
         else:
             if job.include_usage:
                 total = sum(c.num_tokens for c in choices)
-                yield sse({**head, "choices": [], "usage": usage(job.num_prompt_tokens, total, cached_tokens(job, choices))})
+                last = usage(job.num_prompt_tokens, total, cached_tokens(job, choices))
+                yield sse({**head, "choices": [], "usage": last})
         yield DONE
     finally:
         server.client.abort(job.req_ids)
