@@ -28,6 +28,32 @@
 
 namespace {
 
+// The inverse-CDF scan both instruction sets share: `chunk_probs(c, e)` writes chunk c's W unnormalised
+// probabilities into e and returns their sum; the token whose running sum first passes `target`, or the
+// last token of nonzero probability for a target the running sum never passes.
+template <int W, class ChunkProbs>
+int64_t scan_cdf(int64_t chunks, float target, ChunkProbs chunk_probs) {
+  float run = 0.f;
+  int64_t last = 0;
+  alignas(64) float e[W];
+  for (int64_t c = 0; c < chunks; ++c) {
+    const float s = chunk_probs(c, e);
+    if (s > 0.f) {
+      if (run + s > target) {
+        for (int j = 0; j < W; ++j) {
+          run += e[j];
+          if (run > target) return c * W + j;
+        }
+      } else {
+        run += s;
+      }
+      for (int j = W - 1; j >= 0; --j)
+        if (e[j] > 0.f) { last = c * W + j; break; }
+    }
+  }
+  return last;
+}
+
 #ifdef PDSERVE_HAVE_AVX512
 namespace avx512 {
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -147,28 +173,11 @@ int64_t sample_row(const T* __restrict__ x, int64_t V, float inv_t, float u) {
   };
   __m512 acc = _mm512_setzero_ps();
   for (int64_t c = 0; c < chunks; ++c) acc = _mm512_add_ps(acc, probs(c));
-  const float target = u * _mm512_reduce_add_ps(acc);
-  float run = 0.f;
-  int64_t last = 0;  // the last token of nonzero probability, for a target the running sum never passes
-  alignas(64) float e[16];
-  for (int64_t c = 0; c < chunks; ++c) {
+  return scan_cdf<16>(chunks, u * _mm512_reduce_add_ps(acc), [&](int64_t c, float* e) {
     const __m512 p = probs(c);
-    const float s = _mm512_reduce_add_ps(p);
-    if (s > 0.f) {
-      _mm512_store_ps(e, p);
-      if (run + s > target) {
-        for (int j = 0; j < 16; ++j) {
-          run += e[j];
-          if (run > target) return c * 16 + j;
-        }
-      } else {
-        run += s;
-      }
-      for (int j = 15; j >= 0; --j)
-        if (e[j] > 0.f) { last = c * 16 + j; break; }
-    }
-  }
-  return last;
+    _mm512_store_ps(e, p);
+    return _mm512_reduce_add_ps(p);
+  });
 }
 }  // namespace avx512
 #endif
@@ -288,28 +297,11 @@ int64_t sample_row(const T* __restrict__ x, int64_t V, float inv_t, float u) {
   };
   __m256 acc = _mm256_setzero_ps();
   for (int64_t c = 0; c < chunks; ++c) acc = _mm256_add_ps(acc, probs(c));
-  const float target = u * hsum(acc);
-  float run = 0.f;
-  int64_t last = 0;
-  alignas(32) float e[8];
-  for (int64_t c = 0; c < chunks; ++c) {
+  return scan_cdf<8>(chunks, u * hsum(acc), [&](int64_t c, float* e) {
     const __m256 p = probs(c);
-    const float s = hsum(p);
-    if (s > 0.f) {
-      _mm256_store_ps(e, p);
-      if (run + s > target) {
-        for (int j = 0; j < 8; ++j) {
-          run += e[j];
-          if (run > target) return c * 8 + j;
-        }
-      } else {
-        run += s;
-      }
-      for (int j = 7; j >= 0; --j)
-        if (e[j] > 0.f) { last = c * 8 + j; break; }
-    }
-  }
-  return last;
+    _mm256_store_ps(e, p);
+    return hsum(p);
+  });
 }
 }  // namespace avx2
 #endif
