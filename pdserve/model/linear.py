@@ -34,6 +34,10 @@ channel, half the bytes a decode step streams) the same three names mean:
   widened to bf16 in registers as it streams (one row tile) or once per panel into L2 (several);
   row-independent like its bf16 sibling. Its AVX2 + FMA build (no AVX-512 BF16) runs the AVX2 bf16
   kernel's fp32 tiles (`csrc/linear_avx2.h`) on int8 panels, scaling the fp32 sums per column.
+- `Int8AmxLinear` ("amx"): on CPUs with AMX BF16, the same int8 panels and scales (one copy for both)
+  on pdserve's AMX kernel (`csrc/linear_amx.h`): each panel widened to bf16 once per call into L2 (exact),
+  its tiles run as for bf16 weights, the fp32 sums scaled per column. Prompt chunks and large decode
+  batches then run at the bf16 AMX rate while the weights stream at one byte each; row-independent.
 - `AtenInt8Linear` ("torch"): ATen's `_weight_int8pack_mm` (bf16 x int8, per-channel bf16 scales),
   on Q itself (no copy). It needs K % 16 == 0 (it crashes otherwise: checked before packing).
 - `DequantOneDnnLinear` ("onednn"): each call widens Q to bf16 (exact) and runs `F.linear` (oneDNN, AMX
@@ -90,7 +94,9 @@ logger = logging.getLogger(__name__)
 _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "linear_bf16.cpp")
 _SOURCE_INT8 = os.path.join(os.path.dirname(__file__), "csrc", "linear_int8.cpp")
 # included by both kernels' sources
-_HEADERS = tuple(os.path.join(os.path.dirname(__file__), "csrc", h) for h in ("linear_common.h", "linear_avx2.h"))
+_HEADERS = tuple(
+    os.path.join(os.path.dirname(__file__), "csrc", h) for h in ("linear_common.h", "linear_avx2.h", "linear_amx.h")
+)
 
 PackedLinear = Callable[[torch.Tensor], torch.Tensor]
 LINEAR_KINDS = ("auto", "pdserve", "amx", "onednn", "fp32", "torch")
@@ -210,9 +216,12 @@ class Fp32Linear:
 
 
 class Int8DotLinear:
-    def __init__(self, weight: Int8Weight) -> None:
+    def __init__(self, weight: Int8Weight, shared: Int8DotLinear | None = None) -> None:
         self._ext = _kernel_int8()
         self.out_features = weight.shape[0]
+        if shared is not None:  # another int8 panel kernel's packing of the same weight
+            self.packed, self.scale = shared.packed, shared.scale
+            return
         self.packed = self._ext.pack(weight.q)
         self.scale = torch.zeros(self.packed.shape[0] * 32)  # padded to whole 32-column panels
         self.scale[: self.out_features] = weight.scale
@@ -222,6 +231,15 @@ class Int8DotLinear:
 
     def weight_tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.packed, self.scale)
+
+
+class Int8AmxLinear(Int8DotLinear):
+    """pdserve's AMX kernel for int8 weights (`linear_amx` in `csrc/linear_int8.cpp`): the same packed
+    panels and scales as `Int8DotLinear`, each panel widened to bf16 once per call into L2 and run on
+    AMX BF16 tiles; pass `shared` (an `Int8DotLinear`) to share its copy."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._ext.linear_amx(x, self.packed, self.scale, self.out_features)
 
 
 class AtenInt8Linear:
@@ -355,6 +373,15 @@ def amx_bf16() -> bool:
 
 
 @functools.cache
+def amx_int8_weights() -> bool:
+    """Whether pdserve's AMX kernel for int8 weights runs here (as `amx_bf16`, for its int8 build)."""
+    try:
+        return bool(_kernel_int8().amx_available())
+    except Exception:  # noqa: BLE001 - no compiler or no usable instruction set
+        return False
+
+
+@functools.cache
 def onednn_bf16() -> bool:
     """Whether oneDNN runs bf16 matmuls on this CPU (AVX-512 BW/VL/DQ, AVX-NE-CONVERT or AMX)."""
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -370,6 +397,8 @@ def bf16_kernel_isa() -> str:
 
 def _int8_kernels() -> dict[str, Callable[[Any], PackedLinear]]:
     out: dict[str, Callable[[Any], PackedLinear]] = {"onednn": DequantOneDnnLinear}
+    if amx_int8_weights():
+        out["amx"] = Int8AmxLinear
     try:
         _kernel_int8()
         out["pdserve"] = Int8DotLinear
@@ -501,20 +530,24 @@ def cpu_linear_packer(kind: str = "auto") -> Callable[[torch.Tensor], PackedLine
 
 
 _PANEL_KERNELS = (Bf16DotLinear, AmxLinear)  # read the same packed panels
+_INT8_PANEL_KERNELS = (Int8DotLinear, Int8AmxLinear)  # read the same int8 panels and scales
 
 
 def _pack_once(
     names: Iterable[str], weight: torch.Tensor | Int8Weight, kernels: Mapping[str, Callable[[Any], PackedLinear]]
 ) -> dict[str, PackedLinear]:
-    """Each named kernel's packing of one weight, one copy each, except that pdserve's two bf16 kernels
-    (AVX-512 and AMX) share one copy of the panels."""
+    """Each named kernel's packing of one weight, one copy each, except that pdserve's AVX-512 and AMX
+    kernels share one copy of the panels (bf16 or int8)."""
     out: dict[str, PackedLinear] = {}
     panels: torch.Tensor | None = None
+    int8: Int8DotLinear | None = None
     for name in names:
         pack = kernels[name]
         if pack in _PANEL_KERNELS:
             out[name] = pack(weight, panels)  # type: ignore[call-arg]
             panels = out[name].packed  # type: ignore[attr-defined]
+        elif pack in _INT8_PANEL_KERNELS:
+            out[name] = int8 = pack(weight, int8)  # type: ignore[call-arg]
         else:
             out[name] = pack(weight)
     return out

@@ -15,8 +15,10 @@ from pdserve.model.autotune import ROW_BUCKETS
 from pdserve.model.linear import (
     BucketedLinear,
     DequantOneDnnLinear,
+    Int8AmxLinear,
     Int8DotLinear,
     Int8Weight,
+    _pack_once,
     available_kernels,
     pack_cpu_linears,
     quantize_int8,
@@ -98,6 +100,29 @@ def test_pdserve_int8_rows_do_not_depend_on_the_batch():
     full = lin(batch)
     for i in (0, 7, 11, 57, 99):
         assert torch.equal(lin(batch[i : i + 1]), full[i : i + 1])
+    wide = rand(9, 3 * 1536, seed=7).bfloat16()
+    assert torch.equal(lin(wide[:, 1536:3072]), lin(wide[:, 1536:3072].contiguous()))  # strided rows
+    assert lin(wide[:0, :1536]).shape == (0, 300)
+
+
+amx = pytest.mark.skipif("amx" not in KERNELS, reason="no AMX BF16 here (CPU, OS or compiler)")
+
+
+@amx
+def test_amx_int8_rows_do_not_depend_on_the_batch_and_share_the_panels():
+    w = quantize_int8(rand(300, 1536, seed=5))
+    both = _pack_once(["pdserve", "amx"], w, KERNELS)
+    lin = both["amx"]
+    assert isinstance(lin, Int8AmxLinear)
+    assert lin.packed is both["pdserve"].packed and lin.scale is both["pdserve"].scale  # type: ignore[attr-defined]
+    batch = rand(300, 1536, seed=6).bfloat16()  # two 256-row blocks of one panel: one widening each call
+    full = lin(batch)
+    for i in (0, 7, 11, 57, 255, 256, 299):
+        assert torch.equal(lin(batch[i : i + 1]), full[i : i + 1])
+    assert torch.equal(lin(batch[16:48]), full[16:48])
+    # x as it is, q exact in bf16: the tile sums of x . q, scaled per column, against float32
+    ref = (batch.float() @ w.q.float().T) * w.scale
+    torch.testing.assert_close(full.float(), ref, rtol=8e-3, atol=1e-3 * float(ref.abs().amax()))
     wide = rand(9, 3 * 1536, seed=7).bfloat16()
     assert torch.equal(lin(wide[:, 1536:3072]), lin(wide[:, 1536:3072].contiguous()))  # strided rows
     assert lin(wide[:0, :1536]).shape == (0, 300)
@@ -185,7 +210,9 @@ def test_batch_invariant_pins_pdserve_int8_kernel():
     if "pdserve" not in KERNELS:
         pytest.skip("pdserve's int8 kernel does not build here")
     plan = pack_cpu_linears(int8_weights(), "auto", batch_invariant=True)
-    assert plan.kind == "pdserve" and all(isinstance(p, Int8DotLinear) for p in plan.packed["qkv"])
+    pinned = plan.kind if plan.table is None else plan.table.pinned  # AMX hosts: pdserve's two kernels measured
+    assert pinned in ("pdserve", "amx")
+    assert all(isinstance(p, Int8DotLinear) for p in plan.packed["qkv"])  # (Int8AmxLinear is one too)
 
 
 def test_named_kernels_and_fallback_for_shapes_a_kernel_cannot_take():

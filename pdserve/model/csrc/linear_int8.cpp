@@ -21,6 +21,7 @@
 // of 8 columns as 8 bytes of even k, then 8 of odd k) and read by the AVX2 bf16 kernel's fp32 tiles
 // (linear_avx2.h): each 8 bytes one sign-extending load and one int32 -> fp32 conversion (exact), the
 // per-column scale applied to the fp32 sums before the bf16 rounding.
+#include "linear_amx.h"
 #include "linear_avx2.h"
 #include "linear_common.h"
 
@@ -192,9 +193,69 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
 #endif
 }
 
+bool amx_available() {
+#ifdef PDSERVE_HAVE_AMX
+  return amx::ready();
+#else
+  return false;
+#endif
+}
+
+#ifdef PDSERVE_HAVE_AMX
+namespace {
+
+// An int8 panel (count weights) widened to the bf16 panel of the same layout: exact, |q| <= 127.
+void widen_panel(const int8_t* q, at::BFloat16* out, int64_t count) {
+  for (int64_t i = 0; i < count; i += 32) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q + i))));
+    const __m512 hi =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q + i + 16))));
+    _mm512_store_si512(out + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+
+// int8 panels and their column scales for amx::linear: each widened into the thread's scratch.
+struct Int8Panels {
+  static constexpr bool kWidens = true;
+  const int8_t* q;
+  const float* s;
+  int64_t count, stored_lines;  // weights per panel, its cache lines
+  const char* stored(int64_t p) const { return reinterpret_cast<const char*>(q + p * count); }
+  const char* bf16(int64_t p, char* scratch) const {
+    widen_panel(q + p * count, reinterpret_cast<at::BFloat16*>(scratch), count);
+    return scratch;
+  }
+  const float* scales(int64_t p) const { return s + p * kPanel; }
+};
+
+}  // namespace
+#endif
+
+// x [M, K] bf16 times the packed Q of n output columns (the layout `linear` reads, so both share one
+// copy), scaled per column -> [M, n] bf16 on AMX BF16 tiles (K a multiple of 32; linear_amx.h): each
+// panel is widened to bf16 once per call into the thread's L2 (a panel's widening costs about what one
+// 32-row tile pass over it does), so prompt chunks and large decode batches run at the bf16 AMX rate while
+// the panels stream from DRAM at one byte per weight. x is used as it is (no int16 rounding as in
+// `linear`); a row's result does not depend on the other rows.
+torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, int64_t n) {
+#ifdef PDSERVE_HAVE_AMX
+  x = check_args(x, packed, n, torch::kChar);
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.numel() == packed.size(0) * kPanel,
+              "scale must be fp32, one per padded column");
+  const int64_t K = x.size(1);
+  const Int8Panels src{packed.data_ptr<int8_t>(), scale.data_ptr<float>(), K * kPanel, K / 2};
+  return amx::linear(x, packed.size(0), n, src);
+#else
+  TORCH_CHECK(false, "built without AMX BF16");
+  return x;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether this build has a kernel (AVX-512 BF16 or AVX2 + FMA)");
   m.def("isa", &isa, "the instruction set of this build's kernel");
   m.def("pack", &pack, "pack [N, K] int8 weights into 32-column panels of k pairs");
   m.def("linear", &linear, "x @ (scale * Q)^T from packed Q, bf16 activations");
+  m.def("amx_available", &amx_available, "whether this build and CPU run linear_amx");
+  m.def("linear_amx", &linear_amx, "x @ (scale * Q)^T from packed Q on AMX BF16 tiles (K a multiple of 32)");
 }
