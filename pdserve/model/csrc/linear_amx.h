@@ -142,6 +142,7 @@ torch::Tensor linear(const torch::Tensor& x, int64_t panels, int64_t n, const So
   at::parallel_for(0, blocks * panels, 1, [&](int64_t i0, int64_t i1) {
     std::unique_ptr<char, decltype(&std::free)> scratch(
         Source::kWidens ? static_cast<char*>(std::aligned_alloc(64, K * 64)) : nullptr, &std::free);
+    TORCH_CHECK(!Source::kWidens || scratch, "no memory for the AMX kernel's scratch panel");
     const Config config;
     _tile_loadconfig(&config);
     const char* wp = nullptr;
