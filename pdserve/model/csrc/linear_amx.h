@@ -170,3 +170,16 @@ torch::Tensor linear(const torch::Tensor& x, int64_t panels, int64_t n, const So
 }  // namespace amx
 }  // namespace pdserve_linear
 #endif
+
+namespace pdserve_linear {
+
+// Whether this build and CPU run the AMX kernel (both extensions bind it as `amx_available`).
+inline bool amx_available() {
+#ifdef PDSERVE_HAVE_AMX
+  return amx::ready();
+#else
+  return false;
+#endif
+}
+
+}  // namespace pdserve_linear

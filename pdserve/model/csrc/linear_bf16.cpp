@@ -119,14 +119,6 @@ struct Bf16Panels {
 }  // namespace
 #endif
 
-bool amx_available() {
-#ifdef PDSERVE_HAVE_AMX
-  return amx::ready();
-#else
-  return false;
-#endif
-}
-
 // x [M, K] bf16 times the packed W of n output columns -> [M, n] bf16 on AMX BF16 tiles (K a multiple of
 // 32; linear_amx.h). The panels pdserve's kernel reads are already B tiles (k pairs x columns), so both
 // kernels share one packed copy. Batch-invariant, like `linear` (but not bitwise equal to it: the tile

@@ -193,14 +193,6 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
 #endif
 }
 
-bool amx_available() {
-#ifdef PDSERVE_HAVE_AMX
-  return amx::ready();
-#else
-  return false;
-#endif
-}
-
 #ifdef PDSERVE_HAVE_AMX
 namespace {
 
