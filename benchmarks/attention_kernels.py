@@ -6,9 +6,11 @@ read from the cache and the GB/s that makes.
         [--heads 9 --kv-heads 3 --head-dim 64] [--json results/attention_kernels.json]
     .venv/bin/python benchmarks/attention_kernels.py --kv-dtypes bf16 --paths auto,avx2,portable,torch
 
-`--paths` times other decode paths on the bf16 cache beside it, each in its own column: `avx2` and
-`portable` the C++ kernel's AVX2 + FMA path and its portable loop forced (`paged_decode(isa=...)`),
-`torch` the reference's gather + bmm; `auto` is what the engine calls (the fastest path the build has).
+`--paths` times other decode paths on the bf16 cache beside it, each in its own column: `amx` the
+AVX-512 kernel with q.k on AMX tiles (CPUs with AMX), `avx2` and `portable` the C++ kernel's AVX2 + FMA
+path and its portable loop forced (`paged_decode(isa=...)`), `torch` the reference's gather + bmm; `auto`
+the C++ kernel's default (the fastest ISA the build has; the engine's `--attention-backend auto` measures
+it against `amx` at start).
 
 Decode is bandwidth-bound: a step reads every running sequence's K and V once. A quantized row is D bytes
 plus 4 bytes of row parameters instead of 2D bytes (0.53x at head_dim 64), so the int8/fp8 columns should
@@ -123,7 +125,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--kv-dtypes", default=",".join(KV_DTYPES))
     ap.add_argument("--paths", default="auto",
-                    help="decode paths on the bf16 cache, one column each: auto, avx2, portable, torch")
+                    help="decode paths on the bf16 cache, one column each: auto, amx, avx2, portable, torch")
     ap.add_argument("--heads", type=int, default=9)
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)

@@ -50,7 +50,11 @@ only fill the unquantized residual pool). Not timed by `autotune` (one candidate
 Where the CPU has AMX (and Linux grants the tile state), prefill has a third candidate, `paged_prefill_amx`:
 the same flash loop with both products on the tile unit (scores as K Q^T, output as V^T P^T, so the
 lane-wise softmax stays as it is), for a bf16 cache; measured on a Xeon with AMX, 2 threads, 3-5x the
-AVX-512 kernel and 1.4-2x torch's SDPA at 256-2,048 tokens (`benchmarks/prefill_kernels.py`).
+AVX-512 kernel and 1.4-2x torch's SDPA at 256-2,048 tokens (`benchmarks/prefill_kernels.py`). Decode has
+a second C++ candidate there too, `paged_decode(isa="amx")`: the AVX-512 kernel with q.k on the tile unit
+(16 K rows from the cache as the A tile, the item's query heads as B, C transposed in registers), which
+drops the 16-row horizontal sums that cost most at 6-7 query heads per kv head (Qwen2.5); p.v, softmax and
+the prefetching are the AVX-512 kernel's (`benchmarks/attention_kernels.py --paths auto,amx`).
 
 Under `--attention-backend auto` the engine calls `autotune`, which times each phase's C++ kernels
 against the reference's (decode: gather + bmm; prefill: SDPA) on the model's shapes and sets an
@@ -101,7 +105,8 @@ def load_kernel():  # type: ignore[no-untyped-def]
 DECODE_BATCHES: tuple[int, ...] = (1, 8, 32)
 DECODE_CONTEXT = 512
 PREFILL_LENS: tuple[int, ...] = (16, 64, 256, 1024, 2048)
-DECODE_KERNELS = ("cpp", "torch")  # the C++ paged decode; the reference's gather + bmm
+# the C++ paged decode / with q.k on AMX tiles (a bf16 cache where the CPU has AMX); the reference's gather + bmm
+DECODE_KERNELS = ("cpp", "amx", "torch")
 # the C++ flash prefill (AVX-512 BF16, else AVX2 + FMA) / on AMX tiles; torch SDPA in the model's dtype / on
 # inputs widened to float32 (a 16-bit model on a CPU without AVX-512 BF16: bf16 SDPA took 1.06-1.34x its time
 # on an EPYC)
@@ -186,6 +191,8 @@ class CpuPagedAttention(TorchAttention):
         avx2_decode = fast and bool(self._kernel.decode_avx2_path(num_heads, kvh, head_dim))
         if fast_decode:
             decode = f"C++ AVX-512 BF16{label} ({shape})"
+            if self._kernel.decode_amx_fast_path(k_cache.dtype == torch.bfloat16, num_heads, kvh, head_dim, block_size):
+                decode += " or with q.k on AMX BF16 tiles"
         elif avx2_decode:
             decode = f"C++ AVX2 + FMA{label} ({shape})"
         else:
@@ -249,11 +256,14 @@ class CpuPagedAttention(TorchAttention):
                 q, cache.k, cache.v, cache.k_scale, cache.k_zero, cache.v_scale, cache.v_zero,
                 cache.residual_k, cache.residual_v, cache.residual_slot, g.block_table, g.context_lens, scale,
             )
-        return self._decode_cpp(q, cache, g, scale)
+        # AMX where the plan measured it fastest, which it times on this model's cache (declined unless bf16)
+        amx = self._plan.decode == "amx" and q.dtype == cache.k.dtype == torch.bfloat16
+        return self._decode_cpp(q, cache, g, scale, "amx" if amx else "auto")
 
-    def _decode_cpp(self, q: torch.Tensor, cache: LayerCache, g: DecodeGroup, scale: float) -> torch.Tensor:
+    def _decode_cpp(self, q: torch.Tensor, cache: LayerCache, g: DecodeGroup, scale: float,
+                    isa: str = "auto") -> torch.Tensor:
         return self._kernel.paged_decode(
-            q, cache.k, cache.v, g.block_table, g.context_lens, scale, cache.k_scale, cache.v_scale
+            q, cache.k, cache.v, g.block_table, g.context_lens, scale, cache.k_scale, cache.v_scale, isa=isa
         )
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, slots: torch.Tensor) -> None:
@@ -403,8 +413,14 @@ def measure_attention(
             lens = torch.full((batch,), context)
             mask = (torch.arange(nb_seq * bs) < context).expand(batch, nb_seq * bs).reshape(batch, 1, 1, -1)
             g = DecodeGroup(0, batch, table, lens, mask)
-            run = attn._decode_cpp if kernel == "cpp" else lambda *a: TorchAttention.decode(attn, *a)
-            return [("decode", lambda: run(q, cache, g, scale))]
+            if kernel == "torch":
+                return [("decode", lambda: TorchAttention.decode(attn, q, cache, g, scale))]
+            if kernel == "amx" and not attn._kernel.decode_amx_fast_path(
+                dtype == cache.k.dtype == torch.bfloat16, num_heads, kvh, d, bs
+            ):
+                return []  # no AMX here, or not a bf16 cache: timed as declined
+            isa = "amx" if kernel == "amx" else "auto"
+            return [("decode", lambda: attn._decode_cpp(q, cache, g, scale, isa))]
 
         return pass_for
 

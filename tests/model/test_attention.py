@@ -153,19 +153,26 @@ def test_cpu_paged_decode_long_contexts(cpu_paged, block_size, shape):
 
 def decode_isas(cpu_paged) -> list[str]:
     """The paths `paged_decode(isa=...)` can be forced onto in this build: the portable loop always, the
-    AVX2 + FMA kernel where the compiler targets AVX2 (every AVX-512 CPU too, so it is tested there)."""
-    return ["portable"] + (["avx2"] if cpu_paged._kernel.decode_avx2_path(9, 3, 64) else [])
+    AVX2 + FMA kernel where the compiler targets AVX2 (every AVX-512 CPU too, so it is tested there), the
+    AVX-512 kernel with q.k on AMX tiles where the CPU has AMX BF16."""
+    k = cpu_paged._kernel
+    return (["portable"] + (["avx2"] if k.decode_avx2_path(9, 3, 64) else [])
+            + (["amx"] if k.decode_amx_fast_path(True, 9, 3, 64, 16) else []))
 
 
-@pytest.mark.parametrize("isa", ["avx2", "portable"])
+@pytest.mark.parametrize("isa", ["amx", "avx2", "portable"])
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 @pytest.mark.parametrize("block_size", [4, 12, 16, 128])
 def test_cpu_paged_decode_forced_paths(cpu_paged, block_size, shape, isa):
     """Each decode path forced (the AVX2 kernel is what CPUs without AVX-512 run): its 8-rows-at-a-time
     scores with rows past the context in the last block, blocks that are not a multiple of 8 tokens (its
-    row-at-a-time tail), every fast shape, against naive attention; one thread == two."""
+    row-at-a-time tail), every fast shape, against naive attention; one thread == two. AMX (blocks of a
+    multiple of 16 only) scores 16 rows per tile, the rows past the context NaN here: each C row is its own
+    key's, so they must not reach the output."""
     if isa not in decode_isas(cpu_paged):
         pytest.skip(f"no {isa} path in this build")
+    if isa == "amx" and block_size % 16:
+        pytest.skip("the AMX decode takes blocks of a multiple of 16 tokens")
     g = torch.Generator().manual_seed(3)
     (H, KVH, D) = shape
     ctx = [1, 7, 8, 9, 15, 17, 33, 250, 2, 129]
@@ -177,6 +184,11 @@ def test_cpu_paged_decode_forced_paths(cpu_paged, block_size, shape, isa):
     tables = [[perm.pop() for _ in range(-(-c // block_size))] for c in ctx]
     table = torch.tensor([t + [0] * (max_nb - len(t)) for t in tables])
     q = torch.randn(len(ctx), H, D, generator=g).bfloat16()
+    if isa == "amx":
+        for c, t in zip(ctx, tables):
+            if c % block_size:
+                k_cache[:, t[-1], c % block_size :] = float("nan")
+                v_cache[:, t[-1], c % block_size :] = float("nan")
     run = lambda: cpu_paged._kernel.paged_decode(q, k_cache, v_cache, table, torch.tensor(ctx), D**-0.5, isa=isa)
     out = run()
     for i, (c, t) in enumerate(zip(ctx, tables)):
@@ -193,7 +205,7 @@ def test_cpu_paged_decode_forced_paths(cpu_paged, block_size, shape, isa):
 
 
 def test_cpu_paged_decode_isa_errors(cpu_paged):
-    """An unknown isa, or the AVX2 path asked for where it cannot run (a float32 cache), is an error."""
+    """An unknown isa, or the AVX2 or AMX path asked for where it cannot run (a float32 cache), is an error."""
     q = torch.randn(1, 9, 64).bfloat16()
     kc = torch.randn(3, 1, 16, 64)
     args = (q, kc, kc, torch.zeros(1, 1, dtype=torch.int64), torch.tensor([4]), 0.125)
@@ -201,6 +213,8 @@ def test_cpu_paged_decode_isa_errors(cpu_paged):
         cpu_paged._kernel.paged_decode(*args, isa="sse")
     with pytest.raises(RuntimeError, match="no AVX2 decode path"):
         cpu_paged._kernel.paged_decode(*args, isa="avx2")
+    with pytest.raises(RuntimeError, match="no AMX decode path"):  # float32: on every CPU
+        cpu_paged._kernel.paged_decode(*args, isa="amx")
 
 
 @pytest.mark.parametrize("kernel", ["avx512", "avx2", "amx"])

@@ -50,7 +50,11 @@ def test_plan_from_injected_timings():
     tie = AttentionPlan.from_tables(*tables({"cpp": [1.0] * 3, "torch": [1.0] * 3},
                                             {"cpp": [1.0] * 5, "amx": [1.0] * 5, "sdpa": [1.0] * 5}))
     assert tie.decode == "cpp" and tie.prefill == ("cpp",) * 5  # ties go to the C++ kernels
-    inf = float("inf")  # a C++ prefill that declines every length (no fast path): SDPA everywhere
+    amx = {"cpp": [2e-4, 1e-3, 4e-3], "amx": [3e-4, 8e-4, 3e-3], "torch": [1e-4, 2e-3, 2e-2]}
+    assert AttentionPlan.from_tables(*tables(amx, PREFILL)).decode == "amx"  # the AMX q.k, least overall
+    inf = float("inf")  # declined (no AMX, or a quantized cache): never chosen
+    assert AttentionPlan.from_tables(*tables({**amx, "amx": [inf] * 3}, PREFILL)).decode == "cpp"
+    # a C++ prefill that declines every length (no fast path): SDPA everywhere
     assert AttentionPlan.from_tables(*tables(DECODE, {"cpp": [inf] * 5, "amx": [inf] * 5, "sdpa": [1.0] * 5})).prefill == ("sdpa",) * 5
 
 
@@ -128,10 +132,19 @@ def test_every_choice_matches_the_reference(kernel_ok, kv_dtype, decode, prefill
     skip_prefill = {"sdpa": sdpa, "sdpa-f32": sdpa, "cpp": {"paged_prefill_amx"},
                     "amx": {"paged_prefill"} if kv_dtype == "bfloat16" else set()}[prefill]
     forbidden = ({"paged_decode"} if decode == "torch" else set()) | skip_prefill
+    isas: list[str] = []
+    real_decode = k.paged_decode
     attn._kernel = Forbid(attn._kernel, forbidden)
+    if decode != "torch":  # which path each decode call asked for
+        attn._kernel.paged_decode = lambda *a, isa: isas.append(isa) or real_decode(*a, isa=isa)  # type: ignore[attr-defined]
     out, refs = mixed_step(attn, kv_dtype, (9, 3, 64), 16, torch.bfloat16)
     for s, n, ref in refs:
         torch.testing.assert_close(out[s : s + n].float(), ref, atol=2e-2, rtol=2e-2)
+    # The AMX decode runs where the plan picked it over a bf16 cache; an int8 cache (where it is never timed
+    # fastest: declined) and a CPU without AMX take the AVX-512 kernel.
+    amx_decode = decode == "amx" and kv_dtype == "bfloat16" and k.decode_amx_fast_path(True, 9, 3, 64, 16)
+    if decode != "torch":
+        assert isas and set(isas) == {"amx" if amx_decode else "auto"}, isas
 
 
 def test_real_measurement_gives_a_complete_table(kernel_ok):

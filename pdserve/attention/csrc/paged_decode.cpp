@@ -1758,6 +1758,98 @@ __attribute__((always_inline)) inline void pv_block(float (*accm)[D], const floa
   }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define PDSERVE_HAVE_AMX 1
+
+// Linux hands a process the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); oneDNN asks the same when it runs AMX. Asked once per process; false where the CPU
+// or the kernel has no AMX, and then the AMX kernels (prefill_amx, decode_avx512's AMX q.k) decline every call.
+bool amx_ready() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtileData) == 0;
+  }();
+  return ok;
+}
+
+// Palette 1, tiles 0..7 all 16 rows of 64 bytes: every tile below is 16 x 32 bf16 (A, B) or 16 x 16 fp32 (C).
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+
+// q.k of one decode item on the AMX tile unit (decode_avx512 with kAmx, bf16 cache): 16 K rows straight
+// from the cache are the A tile (one per 32 dims), the item's G query heads in dim pairs x heads the B
+// tiles (loaded once per item: tiles 1 .. D/32, heads past G zero), so C = K Q^T holds one key per row and
+// one head per lane. Stored to L1 and transposed in registers (only the G columns the heads use are
+// formed), each head's 16 scores come out as bf16_scores16's do, without its 16-row horizontal sums:
+// those, G per 16 keys, were half of a cache-resident call at G = 7 (Qwen2.5-0.5B). Products bf16 x bf16
+// summed in fp32 by the tile unit (its order; bf16 denormal inputs read as zero), as prefill_amx.
+template <int D, int G>
+struct AmxScores {
+  static_assert(D == 64 || D == 128, "the B tiles 1 .. D/32 and A tiles 5, 6 assume D <= 128");
+  static_assert(G >= 1 && G <= 16, "one C lane per query head");
+  alignas(64) int32_t qt[D / 32][16][16];  // B tiles: [32-dim slice][dim pair][head]
+  alignas(64) float c[16][16];             // the C tile: [key][head]
+
+  void start(const at::BFloat16* qh) {  // qh: the G heads, D apart
+    std::memset(qt, 0, sizeof(qt));
+    const int32_t* pairs = reinterpret_cast<const int32_t*>(qh);
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < D / 2; ++i) qt[i / 16][i % 16][g] = pairs[g * (D / 2) + i];
+    _tile_loadd(1, qt[0], 64);
+    _tile_loadd(2, qt[1], 64);
+    if constexpr (D == 128) {
+      _tile_loadd(3, qt[2], 64);
+      _tile_loadd(4, qt[3], 64);
+    }
+  }
+
+  // The scores of the 16 bf16 rows at k (D apart) with the G heads: done(g, dots) takes head g's 16.
+  template <typename Done>
+  __attribute__((always_inline)) void scores16(const at::BFloat16* k, const Done& done) {
+    _tile_zero(0);
+    _tile_loadd(5, k, D * 2);
+    _tile_dpbf16ps(0, 5, 1);
+    _tile_loadd(6, k + 32, D * 2);
+    _tile_dpbf16ps(0, 6, 2);
+    if constexpr (D == 128) {
+      _tile_loadd(5, k + 64, D * 2);
+      _tile_dpbf16ps(0, 5, 3);
+      _tile_loadd(6, k + 96, D * 2);
+      _tile_dpbf16ps(0, 6, 4);
+    }
+    _tile_stored(0, c, 64);
+    // The 16 x 16 transpose's first two steps: u[4j + i]'s 128-bit lane L holds keys 4j .. 4j+3 of head
+    // 4L + i; a head's vector is then lane L of u[i], u[4 + i], u[8 + i], u[12 + i] (three shuffles).
+    __m512 t[16], u[16];
+    for (int r = 0; r < 16; r += 2) {
+      const __m512 a = _mm512_load_ps(c[r]), b = _mm512_load_ps(c[r + 1]);
+      t[r] = _mm512_unpacklo_ps(a, b), t[r + 1] = _mm512_unpackhi_ps(a, b);
+    }
+    for (int j = 0; j < 16; j += 4) {
+      const auto pd = [](__m512 x) { return _mm512_castps_pd(x); };
+      u[j] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[j]), pd(t[j + 2])));
+      u[j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[j]), pd(t[j + 2])));
+      u[j + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[j + 1]), pd(t[j + 3])));
+      u[j + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[j + 1]), pd(t[j + 3])));
+    }
+    for (int g = 0; g < G; ++g) {
+      const int i = g % 4;
+      __m512 x, y;
+      switch (g / 4) {  // the lane as an immediate
+        case 0: x = _mm512_shuffle_f32x4(u[i], u[4 + i], 0x00), y = _mm512_shuffle_f32x4(u[8 + i], u[12 + i], 0x00); break;
+        case 1: x = _mm512_shuffle_f32x4(u[i], u[4 + i], 0x55), y = _mm512_shuffle_f32x4(u[8 + i], u[12 + i], 0x55); break;
+        case 2: x = _mm512_shuffle_f32x4(u[i], u[4 + i], 0xAA), y = _mm512_shuffle_f32x4(u[8 + i], u[12 + i], 0xAA); break;
+        default: x = _mm512_shuffle_f32x4(u[i], u[4 + i], 0xFF), y = _mm512_shuffle_f32x4(u[8 + i], u[12 + i], 0xFF); break;
+      }
+      done(g, _mm512_shuffle_f32x4(x, y, 0x88));  // lanes 0, 2 of x, then of y
+    }
+  }
+};
+#endif  // AMX
+
 // bf16 K/V, head_dim D (64 or 128), G query heads per kv head: AVX-512 BF16 dot products for q.k (32
 // pairs per instruction, no conversion of K), 16 tokens' scores reduced together; softmax_avx512; p.v:
 // pv_block, one 32-dim slice of V at a time. Memory: while one side (an item's K, then its V) is
@@ -1773,7 +1865,8 @@ __attribute__((always_inline)) inline void pv_block(float (*accm)[D], const floa
 // offsets m: q.k_t = s_t (q . c_t) + m_t sum(q), each head's sum(q) once per step; p.v = sum_t (p_t s_t)
 // c_t + sum_t p_t m_t, the second one scalar per head added to every dim at the end (the int4 kernel's
 // values take the same fold).
-template <int D, int G, typename R>
+// kAmx (a bf16 cache, where the CPU has AMX BF16): q.k on the tile unit (AmxScores), the rest as above.
+template <int D, int G, typename R, bool kAmx = false>
 void decode_avx512(const at::BFloat16* q, const typename R::T* k_cache, const typename R::T* v_cache,
                    const float* k_scale, const float* v_scale, const int64_t* table, const int64_t* ctx,
                    at::BFloat16* out, int64_t B, int64_t H, int64_t KVH, int64_t NB, int64_t BS, int64_t max_blocks,
@@ -1816,6 +1909,19 @@ void decode_avx512(const at::BFloat16* q, const typename R::T* k_cache, const ty
     };
     if (first) warm(kh);
     start_streams(vh, vsh, blocks, L);
+#ifdef PDSERVE_HAVE_AMX
+    static_assert(!kAmx || !R::kQuantized, "AMX q.k reads bf16 rows");
+    thread_local AmxScores<D, G> amx;
+    if constexpr (kAmx) {
+      if (first) {
+        static const TileConfig config;
+        _tile_loadconfig(&config);
+      }
+      amx.start(qh);
+    }
+#else
+    static_assert(!kAmx, "an AMX decode in a build without AMX");
+#endif
     alignas(64) uint16_t kconv[R::kQuantized ? 16 * D : 1];  // 16 quantized K rows as bf16 (int16 for VNNI)
     alignas(64) int16_t q16[R::kIntDot ? G * D : 1];
     float q_unit[G];
@@ -1845,6 +1951,14 @@ void decode_avx512(const at::BFloat16* q, const typename R::T* k_cache, const ty
                               scores.data() + t0 + t, stride);
           continue;
         }
+#ifdef PDSERVE_HAVE_AMX
+        if constexpr (kAmx) {
+          amx.scores16(kb + t * D, [&](int g, __m512 dots) {
+            _mm512_storeu_ps(scores.data() + g * stride + t0 + t, _mm512_mul_ps(dots, row_scale));
+          });
+          continue;
+        }
+#endif
         const at::BFloat16* k;
         if constexpr (R::kQuantized) {
           for (int r = 0; r < 16; ++r)
@@ -1943,6 +2057,10 @@ void decode_avx512(const at::BFloat16* q, const typename R::T* k_cache, const ty
         store_bf16x16(o + d, x);
       }
     }
+#ifdef PDSERVE_HAVE_AMX
+    if constexpr (kAmx)
+      if (last) _tile_release();
+#endif
   });
 }
 
@@ -2142,26 +2260,7 @@ void prefill_avx512(const at::BFloat16* q, const typename R::T* k_cache, const t
   });
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#define PDSERVE_HAVE_AMX 1
-
-// Linux hands a process the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA); oneDNN asks the same when it runs AMX. Asked once per process; false where the CPU
-// or the kernel has no AMX, and then the AMX prefill declines every call.
-bool amx_ready() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtileData) == 0;
-  }();
-  return ok;
-}
-
-// Palette 1, tiles 0..7 all 16 rows of 64 bytes: every tile below is 16 x 32 bf16 (A, B) or 16 x 16 fp32 (C).
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
-  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
-};
+#ifdef PDSERVE_HAVE_AMX
 
 // Causal prefill attention over a bf16 paged cache with AMX BF16 tiles: the inputs, outputs and causal
 // positions of paged_prefill / prefill_avx512, the same work items (sequence, kv head, tile of 16 query
@@ -2928,6 +3027,17 @@ bool prefill_fast_path(bool bf16, int64_t H, int64_t KVH, int64_t D, int64_t BS)
   return decode_fast_path(bf16, H, KVH, D) && BS % 16 == 0;
 }
 
+// Whether paged_decode(isa="amx") runs for these shapes: the AVX-512 BF16 decode's shapes over a bf16 cache
+// (`bf16`: bf16 queries and cache) in blocks of a multiple of 16 tokens, on a build and CPU with AMX BF16
+// and a kernel that grants the tile state.
+bool decode_amx_fast_path(bool bf16, int64_t H, int64_t KVH, int64_t D, int64_t BS) {
+#ifdef PDSERVE_HAVE_AMX
+  return decode_fast_path(bf16, H, KVH, D) && BS % 16 == 0 && amx_ready();
+#else
+  return false;
+#endif
+}
+
 // Whether paged_prefill has its AVX2 + FMA path (prefill_avx2) for these shapes: the one it takes where the
 // CPU has no AVX-512 BF16.
 bool prefill_avx2_path(bool bf16, int64_t H, int64_t KVH, int64_t D, int64_t BS) {
@@ -2949,11 +3059,14 @@ bool decode_int4_avx2_path(bool bf16, int64_t H, int64_t KVH, int64_t D, int64_t
 // q [B, H, D]; k_cache, v_cache [KVH, NB, BS, D] (contiguous); table [B, max_blocks] int64;
 // context_lens [B] int64 (>= 1); k_scale, v_scale the rows' parameters with an int8 or fp8 cache (cache_scales).
 // isa: "auto" takes the fastest path this build has for the shapes (AVX-512 BF16, else AVX2, else the
-// portable loop); "avx2" / "portable" force one (tests, benchmarks). Returns [B, H, D] in q's dtype.
+// portable loop); "avx2" / "portable" force one (tests, benchmarks); "amx" the AVX-512 BF16 kernel with q.k on
+// AMX tiles (a bf16 cache only, where decode_amx_fast_path; an error elsewhere: the caller checks, as the
+// attention plan does). Returns [B, H, D] in q's dtype.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
                            torch::Tensor context_lens, double scale, std::optional<torch::Tensor> k_scale,
                            std::optional<torch::Tensor> v_scale, const std::string& isa) {
-  TORCH_CHECK(isa == "auto" || isa == "avx2" || isa == "portable", "isa must be auto, avx2 or portable, not ", isa);
+  TORCH_CHECK(isa == "auto" || isa == "amx" || isa == "avx2" || isa == "portable",
+              "isa must be auto, amx, avx2 or portable, not ", isa);
   TORCH_CHECK(q.device().is_cpu(), "paged_decode runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
@@ -2967,6 +3080,20 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   auto out = torch::empty_like(q);
   const bool bf16 = q.scalar_type() == torch::kBFloat16 &&
                     (k_cache.scalar_type() == torch::kBFloat16 || is_quantized(k_cache));
+  if (isa == "amx") {
+    TORCH_CHECK(decode_amx_fast_path(bf16 && k_cache.scalar_type() == torch::kBFloat16, H, KVH, D, BS),
+                "no AMX decode path for this build, CPU, dtype or shape");
+#ifdef PDSERVE_HAVE_AMX
+    auto args = std::make_tuple(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
+                                v_cache.data_ptr<at::BFloat16>(), ks, vs, table.data_ptr<int64_t>(),
+                                context_lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), B, H, KVH, NB, BS,
+                                table.size(1), static_cast<float>(scale));
+    with_shape(H / KVH, D, [&](auto d, auto g) {
+      std::apply(decode_avx512<decltype(d)::value, decltype(g)::value, Bf16Rows, true>, args);
+    });
+#endif
+    return out;
+  }
 #ifdef PDSERVE_HAVE_AVX512BF16
   if (isa == "auto" && decode_fast_path(bf16, H, KVH, D)) {
     with_rows(k_cache.scalar_type(), [&](auto rows) {
@@ -3370,6 +3497,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_amx", &paged_prefill_amx, "paged causal prefill attention on AMX BF16 tiles (CPU, bf16 cache)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"), py::arg("q_start"), py::arg("q_len"),
         py::arg("ctx"), py::arg("scale"), py::arg("out"));
+  m.def("decode_amx_fast_path", &decode_amx_fast_path,
+        "whether paged_decode(isa=\"amx\") runs for (bf16 queries and cache, H, KVH, D, block size) here");
   m.def("prefill_amx_fast_path", &prefill_amx_fast_path,
         "whether paged_prefill_amx runs for (bf16, H, KVH, D, BS) on this build and CPU");
 }
