@@ -1911,10 +1911,10 @@ void decode_avx512(const at::BFloat16* q, const typename R::T* k_cache, const ty
     start_streams(vh, vsh, blocks, L);
 #ifdef PDSERVE_HAVE_AMX
     static_assert(!kAmx || !R::kQuantized, "AMX q.k reads bf16 rows");
-    thread_local AmxScores<D, G> amx;
+    [[maybe_unused]] AmxScores<D, G> amx;  // on the stack (trivial; unused without kAmx)
     if constexpr (kAmx) {
       if (first) {
-        static const TileConfig config;
+        static const TileConfig config;  // a const local here made ldtilecfg fault (#GP), as if never stored
         _tile_loadconfig(&config);
       }
       amx.start(qh);
