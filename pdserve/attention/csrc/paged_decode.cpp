@@ -29,10 +29,7 @@
 #if defined(__SSE__)
 #include <xmmintrin.h>
 #endif
-#if defined(__linux__)
-#include <sys/syscall.h>  // arch_prctl: the AMX tile state (prefill_amx)
-#include <unistd.h>
-#endif
+#include "../../csrc/amx.h"  // PDSERVE_HAVE_AMX, the tile state and config (prefill_amx, decode AMX q.k)
 
 namespace {
 
@@ -1758,26 +1755,9 @@ __attribute__((always_inline)) inline void pv_block(float (*accm)[D], const floa
   }
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#define PDSERVE_HAVE_AMX 1
-
-// Linux hands a process the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA); oneDNN asks the same when it runs AMX. Asked once per process; false where the CPU
-// or the kernel has no AMX, and then the AMX kernels (prefill_amx, decode_avx512's AMX q.k) decline every call.
-bool amx_ready() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtileData) == 0;
-  }();
-  return ok;
-}
-
-// Palette 1, tiles 0..7 all 16 rows of 64 bytes: every tile below is 16 x 32 bf16 (A, B) or 16 x 16 fp32 (C).
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
-  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
-};
+#ifdef PDSERVE_HAVE_AMX
+using pdserve_amx::TileConfig;
+inline bool amx_ready() { return pdserve_amx::ready(); }
 
 // q.k of one decode item on the AMX tile unit (decode_avx512 with kAmx, bf16 cache): 16 K rows straight
 // from the cache are the A tile (one per 32 dims), the item's G query heads in dim pairs x heads the B

@@ -10,13 +10,12 @@
 // fixed k order, whatever the other rows: batch-invariant.
 #pragma once
 
+#include "../../csrc/amx.h"
 #include "linear_common.h"
 
-#if defined(PDSERVE_HAVE_AVX512BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#define PDSERVE_HAVE_AMX 1
+#if defined(PDSERVE_HAVE_AVX512BF16) && defined(PDSERVE_HAVE_AMX)
+#define PDSERVE_LINEAR_AMX 1
 #include <ATen/Parallel.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <cstdlib>
 #include <memory>
@@ -24,23 +23,8 @@
 namespace pdserve_linear {
 namespace amx {
 
-// Linux hands a process the AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA; oneDNN asks the same when it runs AMX). Asked once per process and extension.
-inline bool ready() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtileData) == 0;
-  }();
-  return ok;
-}
-
-// Palette 1, tiles 0..7 all 16 rows of 64 bytes: C tiles 0-3 (16 x 16 fp32), A tiles 4-5 (16 rows x 32 k
-// of x), B tiles 6-7 (16 k pairs x 16 columns: half a panel's k pairs as they lie, row stride 128 bytes).
-struct alignas(64) Config {
-  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
-  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
-};
+using pdserve_amx::ready;
+using Config = pdserve_amx::TileConfig;
 
 constexpr int64_t kK = 32;       // k per tile step (16 k pairs)
 constexpr int64_t kBlock = 256;  // rows per work item at most
@@ -175,7 +159,7 @@ namespace pdserve_linear {
 
 // Whether this build and CPU run the AMX kernel (both extensions bind it as `amx_available`).
 inline bool amx_available() {
-#ifdef PDSERVE_HAVE_AMX
+#ifdef PDSERVE_LINEAR_AMX
   return amx::ready();
 #else
   return false;

@@ -103,7 +103,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
 #endif
 }
 
-#ifdef PDSERVE_HAVE_AMX
+#ifdef PDSERVE_LINEAR_AMX
 namespace {
 
 // bf16 panels for amx::linear: B tiles as they lie.
@@ -124,7 +124,7 @@ struct Bf16Panels {
 // kernels share one packed copy. Batch-invariant, like `linear` (but not bitwise equal to it: the tile
 // unit orders each k pair's two products differently from `vdpbf16ps`).
 torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, int64_t n) {
-#ifdef PDSERVE_HAVE_AMX
+#ifdef PDSERVE_LINEAR_AMX
   x = check_args(x, packed, n, torch::kBFloat16);
   const int64_t K = x.size(1);
   const Bf16Panels src{reinterpret_cast<const char*>(packed.data_ptr<at::BFloat16>()), K * 64, K};

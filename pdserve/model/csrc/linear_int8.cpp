@@ -201,7 +201,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
 #endif
 }
 
-#ifdef PDSERVE_HAVE_AMX
+#ifdef PDSERVE_LINEAR_AMX
 namespace {
 
 // An int8 panel (count weights) widened to the bf16 panel of the same layout: exact, |q| <= 127.
@@ -238,7 +238,7 @@ struct Int8Panels {
 // the panels stream from DRAM at one byte per weight. x is used as it is (no int16 rounding as in
 // `linear`); a row's result does not depend on the other rows.
 torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, int64_t n) {
-#ifdef PDSERVE_HAVE_AMX
+#ifdef PDSERVE_LINEAR_AMX
   x = check_args(x, packed, n, torch::kChar);
   check_scale(scale, packed);
   const int64_t K = x.size(1);
