@@ -157,18 +157,20 @@ def decode_isas(cpu_paged) -> list[str]:
     AVX-512 kernel with q.k on AMX tiles where the CPU has AMX BF16."""
     k = cpu_paged._kernel
     return (["portable"] + (["avx2"] if k.decode_avx2_path(9, 3, 64) else [])
+            + (["auto"] if k.decode_fast_path(True, 9, 3, 64) else [])
             + (["amx"] if k.decode_amx_fast_path(True, 9, 3, 64, 16) else []))
 
 
-@pytest.mark.parametrize("isa", ["amx", "avx2", "portable"])
+@pytest.mark.parametrize("isa", ["auto", "amx", "avx2", "portable"])
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 @pytest.mark.parametrize("block_size", [4, 12, 16, 128])
 def test_cpu_paged_decode_forced_paths(cpu_paged, block_size, shape, isa):
     """Each decode path forced (the AVX2 kernel is what CPUs without AVX-512 run): its 8-rows-at-a-time
     scores with rows past the context in the last block, blocks that are not a multiple of 8 tokens (its
     row-at-a-time tail), every fast shape, against naive attention; one thread == two. AMX (blocks of a
-    multiple of 16 only) scores 16 rows per tile, the rows past the context NaN here: each C row is its own
-    key's, so they must not reach the output."""
+    multiple of 16 only) scores 16 rows per tile, and the AVX-512 kernel ("auto" where the build has it)
+    reads whole 16-row groups for q.k and pairs of V rows for p.v: rows past the context are NaN for both
+    here, so they must not reach the output (odd contexts pair their last row with zeros)."""
     if isa not in decode_isas(cpu_paged):
         pytest.skip(f"no {isa} path in this build")
     if isa == "amx" and block_size % 16:
@@ -184,7 +186,7 @@ def test_cpu_paged_decode_forced_paths(cpu_paged, block_size, shape, isa):
     tables = [[perm.pop() for _ in range(-(-c // block_size))] for c in ctx]
     table = torch.tensor([t + [0] * (max_nb - len(t)) for t in tables])
     q = torch.randn(len(ctx), H, D, generator=g).bfloat16()
-    if isa == "amx":
+    if isa in ("amx", "auto"):
         for c, t in zip(ctx, tables):
             if c % block_size:
                 k_cache[:, t[-1], c % block_size :] = float("nan")
