@@ -149,6 +149,7 @@ struct Vec {
   static float sum(F v) { return _mm512_reduce_add_ps(v); }
   static F round_nearest(F x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   static F scale2(F p, F n) { return _mm512_scalef_ps(p, n); }  // p 2^n; overflow inf, underflow 0
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }  // a b + c, one rounding
 };
 #else
 struct Vec {
@@ -175,6 +176,7 @@ struct Vec {
     return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
   }
   static F round_nearest(F x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }  // a b + c, one rounding
   // p 2^n through the exponent field, n clamped to [-127, 128]: 2^128 reads as inf, 2^-127 as 0 (flushed
   // where vscalefps would give a denormal: exp below e^-87, where 1 + exp(x) is 1 either way).
   static F scale2(F p, F n) {
@@ -187,19 +189,22 @@ struct Vec {
 using F = Vec::F;
 
 // exp(x) for float32 lanes, within ~1 ulp: x = n ln2 + r (Cody-Waite, |r| <= ln2/2), exp(r) by its
-// degree-7 Taylor polynomial, times 2^n (overflow gives inf, underflow 0).
+// degree-7 Taylor polynomial, times 2^n (overflow gives inf, underflow 0). Written as explicit fused
+// multiply-adds (-ffp-contract=off keeps torch's two roundings in the other ops; exp matches no torch
+// rounding, and one rounding per step is no less exact): silu_mul 1.3x faster than with separate
+// multiplies and adds on host H (96 x 4864, 2 threads, 209 -> 159 us).
 inline F exp_ps(F x) {
   const F n = Vec::round_nearest(x * Vec::set1(1.44269504088896341f));
-  F r = x - n * Vec::set1(0.693359375f);  // ln2 split: exact product n*hi
-  r = r - n * Vec::set1(-2.12194440e-4f);
-  F p = Vec::set1(1.9841270e-4f);                  // 1/7!
-  p = p * r + Vec::set1(1.3888889e-3f);            // 1/6!
-  p = p * r + Vec::set1(8.3333333e-3f);            // 1/5!
-  p = p * r + Vec::set1(4.1666667e-2f);            // 1/4!
-  p = p * r + Vec::set1(1.6666667e-1f);            // 1/3!
-  p = p * r + Vec::set1(0.5f);
-  p = p * r + Vec::set1(1.0f);
-  p = p * r + Vec::set1(1.0f);
+  F r = Vec::fma(n, Vec::set1(-0.693359375f), x);  // ln2 split: exact product n*hi
+  r = Vec::fma(n, Vec::set1(2.12194440e-4f), r);
+  F p = Vec::set1(1.9841270e-4f);                      // 1/7!
+  p = Vec::fma(p, r, Vec::set1(1.3888889e-3f));        // 1/6!
+  p = Vec::fma(p, r, Vec::set1(8.3333333e-3f));        // 1/5!
+  p = Vec::fma(p, r, Vec::set1(4.1666667e-2f));        // 1/4!
+  p = Vec::fma(p, r, Vec::set1(1.6666667e-1f));        // 1/3!
+  p = Vec::fma(p, r, Vec::set1(0.5f));
+  p = Vec::fma(p, r, Vec::set1(1.0f));
+  p = Vec::fma(p, r, Vec::set1(1.0f));
   return Vec::scale2(p, n);
 }
 
