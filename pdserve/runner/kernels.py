@@ -11,7 +11,8 @@ whichever measured faster at engine start (`choose_sampling_kernels`).
 - Temperature draws by inverse CDF, one uniform number per row (so a seeded row's draw depends only on
   its own generator): torch's softmax, cumsum and searchsorted write [rows, vocab] float32 tensors
   (11 ms at 64 rows of SmolLM2's vocabulary on host G, 60 ms at Qwen2.5's); C++: the row's max, the sum
-  of exp((x - max) / T), and the running sum up to u x that sum, with no tensor of the row's size.
+  of exp((x - max) / T) per block of tokens, and the running sum over the blocks and inside the one
+  block where it passes u x that sum, with no tensor of the row's size.
 """
 
 from __future__ import annotations

@@ -538,15 +538,18 @@ def test_temperature_draws_follow_the_tempered_softmax(sampling_kernels, dtype, 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])
 def test_draw_kernel_edge_rows(isa):
-    """NaN: the first NaN; all -inf: token 0; u near 1 never runs past the last possible token."""
+    """NaN: the first NaN; all -inf: token 0; u near 1 never runs past the last possible token, in the
+    first block of tokens or a later one (the kernels sum blocks of 256 / 128 tokens, then open one);
+    equal logits split exactly (integer sums): u = 0.5 of 700 tokens is token 350, in the second block."""
     k = cpp_kernels(isa)
-    v = 37
-    logits = torch.zeros(3, v)
+    v = 700
+    logits = torch.zeros(5, v)
     logits[0, 5] = float("nan")
     logits[1] = float("-inf")
     logits[2, 30:] = float("-inf")
-    ids = k.draw(logits, torch.ones(3), torch.tensor([0.3, 0.3, 1.0 - 1e-7])).tolist()
-    assert ids == [5, 0, 29]
+    logits[3, 400:] = float("-inf")
+    ids = k.draw(logits, torch.ones(5), torch.tensor([0.3, 0.3, 1.0 - 1e-7, 1.0 - 1e-7, 0.5])).tolist()
+    assert ids == [5, 0, 29, 399, 350]
 
 
 def test_the_kernel_choice_never_takes_a_kernel_that_disagrees_with_torch():
