@@ -201,11 +201,11 @@ class Sampler:
         as given: widening 16-bit values to float32 is exact, so the argmax is the same, without the copy."""
         if md.all_greedy and md.max_num_logprobs is None and md.penalties is None:
             if md.allowed is None:
-                token_ids = greedy(logits)
+                token_ids = self.kernels.greedy(logits)
             elif md.allowed.rows.numel() == logits.shape[0]:  # every row under a grammar
                 token_ids = self.kernels.argmax(logits, md.allowed)
             else:
-                token_ids = greedy(logits)
+                token_ids = self.kernels.greedy(logits)
                 token_ids[md.allowed.rows] = self.kernels.argmax(logits, md.allowed)
             return SamplerOutput(token_ids=token_ids, logprobs=None, logprob_token_ids=None)
         raw = logits  # the logprobs' source
@@ -219,9 +219,9 @@ class Sampler:
         if md.allowed is not None:
             self.kernels.apply_(logits, md.allowed)
         if md.all_greedy:
-            token_ids = greedy(logits)
+            token_ids = self.kernels.greedy(logits)
         elif md.any_greedy:
-            token_ids = torch.where(md.temperature == 0.0, greedy(logits), self._sample(logits, md))
+            token_ids = torch.where(md.temperature == 0.0, self.kernels.greedy(logits), self._sample(logits, md))
         else:  # (no argmax to compute)
             token_ids = self._sample(logits, md)
 
@@ -261,7 +261,7 @@ class Sampler:
             md.penalties.apply_(logits)
         if md.allowed is not None:
             self.kernels.apply_(logits, md.allowed)
-        greedy_ids = greedy(logits).tolist()
+        greedy_ids = self.kernels.greedy(logits).tolist()
         starts, d_starts = [0], [0]
         for k in num_drafts:
             starts.append(starts[-1] + k + 1)

@@ -418,7 +418,7 @@ def cpp_kernels(isa: str):
     ext = load_kernels()
     if ext is None or isa not in ext.isas():
         pytest.skip(f"no {isa} sampling kernels here (they need a C++ compiler and a CPU with {isa})")
-    return SamplingKernels(ext, isa, isa)
+    return SamplingKernels(ext, isa, isa, isa)
 
 
 @pytest.fixture(params=["torch", "avx512", "avx2"])
@@ -509,6 +509,14 @@ def test_sampling_kernels_equal_torchs_ops(isa, dtype, v):
         [list(np.frombuffer(pack(a, v), dtype=np.int32)) for a in allowed], dtype=torch.int32))
     ref = SamplingKernels(None)
     assert cpp.argmax(logits, masks).tolist() == ref.argmax(logits, masks).tolist()
+    # greedy without masks: torch's max(dim=-1).indices on ties (row 2), a NaN (row 5), an all -inf row
+    # (index 0) and an all -inf row but its last token (the tail chunk)
+    logits[2, v // 2 :] = logits[2, v // 2 :].clamp(max=0.5)  # the tie at 1.0 is the row's max
+    logits[6] = float("-inf")
+    logits[7] = float("-inf")
+    logits[7, v - 1] = -1e30
+    assert cpp.greedy(logits).tolist() == ref.greedy(logits).tolist() == logits.float().max(dim=-1).indices.tolist()
+    assert cpp.greedy(logits)[[2, 5, 6, 7]].tolist() == [0, v // 3, 0, v - 1]
     a, b = logits.float(), logits.float()
     cpp.apply_(a, masks)
     ref.apply_(b, masks)
@@ -564,15 +572,20 @@ def test_the_kernel_choice_never_takes_a_kernel_that_disagrees_with_torch():
         def masked_argmax(self, logits, rows, packed, isa):
             return torch.full((len(rows),), 3)
 
+        def argmax(self, logits, isa):
+            return torch.full((logits.shape[0],), 3)
+
         def sample_temperature(self, logits, temperature, u, isa):
             return torch.full((logits.shape[0],), 3)
 
     k = choose_sampling_kernels(1000, torch.float32, CPU, ext=Wrong())
-    assert k.masks_isa is None and k.draws_isa is None and k.name == "masks torch, temperature draws torch"
+    assert k.masks_isa is None and k.draws_isa is None and k.greedy_isa is None
+    assert k.name == "greedy torch, masks torch, temperature draws torch"
     ext = load_kernels()
     if ext is not None:
         k = choose_sampling_kernels(1000, torch.bfloat16, CPU, rows=8)
         assert k.masks_isa in (None, *ext.isas()) and k.draws_isa in (None, *ext.isas())
+        assert k.greedy_isa in (None, *ext.isas())
 
 
 def test_sampling_kernels_refuse_an_instruction_set_the_build_lacks():

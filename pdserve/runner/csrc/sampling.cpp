@@ -106,14 +106,18 @@ inline __m512 load_tail(const at::BFloat16* p, __mmask16 m) {
 }
 
 // The first allowed token of the row with the largest logit (NaN counts as the largest, as torch's max);
-// 0 when the mask allows nothing (the index torch's max gives a row of -inf).
-template <typename T>
+// 0 when the mask allows nothing (the index torch's max gives a row of -inf). kMasked false: every token
+// allowed and `bits` never read (greedy without a grammar: torch's max(dim=-1).indices).
+template <typename T, bool kMasked = true>
 int64_t masked_argmax_row(const T* __restrict__ x, const uint32_t* __restrict__ bits, int64_t V) {
+  const auto allowed = [bits](int64_t c) {
+    return kMasked ? static_cast<__mmask16>(bits[c >> 1] >> ((c & 1) * 16)) : static_cast<__mmask16>(0xFFFF);
+  };
   const float ninf = -std::numeric_limits<float>::infinity();
   __m512 best = _mm512_set1_ps(ninf);
   const int64_t full = V / 16;
   for (int64_t c = 0; c < full; ++c) {
-    const __mmask16 m = static_cast<__mmask16>(bits[c >> 1] >> ((c & 1) * 16));
+    const __mmask16 m = allowed(c);
     if (!m) continue;
     const __m512 v = load16(x + c * 16);
     if (_mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q)) {  // a NaN: the first allowed one wins
@@ -126,7 +130,7 @@ int64_t masked_argmax_row(const T* __restrict__ x, const uint32_t* __restrict__ 
   __mmask16 tail_m = 0;
   __m512 tail_v = _mm512_set1_ps(ninf);
   if (rest) {
-    tail_m = static_cast<__mmask16>((bits[full >> 1] >> ((full & 1) * 16)) & ((1u << rest) - 1));
+    tail_m = static_cast<__mmask16>(allowed(full) & ((1u << rest) - 1));
     tail_v = load_tail(x + full * 16, static_cast<__mmask16>((1u << rest) - 1));
     const __mmask16 nan = _mm512_mask_cmp_ps_mask(tail_m, tail_v, tail_v, _CMP_UNORD_Q);
     if (nan) return full * 16 + __builtin_ctz(nan);
@@ -135,7 +139,7 @@ int64_t masked_argmax_row(const T* __restrict__ x, const uint32_t* __restrict__ 
   const float top = _mm512_reduce_max_ps(best);
   const __m512 topv = _mm512_set1_ps(top);
   for (int64_t c = 0; c < full; ++c) {
-    const __mmask16 m = static_cast<__mmask16>(bits[c >> 1] >> ((c & 1) * 16));
+    const __mmask16 m = allowed(c);
     if (!m) continue;
     const __mmask16 eq = _mm512_mask_cmp_ps_mask(m, load16(x + c * 16), topv, _CMP_EQ_OQ);
     if (eq) return c * 16 + __builtin_ctz(eq);
@@ -252,17 +256,19 @@ inline float hsum(__m256 v) {
 }
 inline int nan_lanes(__m256 v, __m256 m) { return _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q), m)); }
 
-// As avx512::masked_argmax_row; `mb`: the mask's bytes (byte c: tokens 8c .. 8c + 7).
-template <typename T>
-int64_t masked_argmax_row(const T* __restrict__ x, const uint8_t* __restrict__ mb, int64_t V) {
+// As avx512::masked_argmax_row; `mb`: the mask's bytes (byte c: tokens 8c .. 8c + 7), never read without
+// kMasked.
+template <typename T, bool kMasked = true>
+int64_t masked_argmax_row(const T* __restrict__ x, const uint8_t* __restrict__ mb_, int64_t V) {
+  const auto mb = [mb_](int64_t c) -> uint32_t { return kMasked ? mb_[c] : 0xFFu; };
   __m256 best = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   const int64_t full = V / 8, rest = V - full * 8;
-  const uint32_t tail_bits = rest ? mb[full] & ((1u << rest) - 1) : 0;
+  const uint32_t tail_bits = rest ? mb(full) & ((1u << rest) - 1) : 0;
   const __m256 tail_m = lanes(tail_bits);
   const __m256 tail_v = tail_bits ? load_tail(x + full * 8, rest) : _mm256_setzero_ps();
   for (int64_t c = 0; c < full; ++c) {
-    if (!mb[c]) continue;
-    const __m256 v = load8(x + c * 8), m = lanes(mb[c]);
+    if (!mb(c)) continue;
+    const __m256 v = load8(x + c * 8), m = lanes(mb(c));
     if (const int nan = nan_lanes(v, m)) return c * 8 + __builtin_ctz(nan);  // the first allowed NaN wins
     best = _mm256_blendv_ps(best, _mm256_max_ps(best, v), m);
   }
@@ -272,8 +278,8 @@ int64_t masked_argmax_row(const T* __restrict__ x, const uint8_t* __restrict__ m
   }
   const __m256 topv = _mm256_set1_ps(hmax(best));
   for (int64_t c = 0; c < full; ++c) {
-    if (!mb[c]) continue;
-    const int eq = _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(load8(x + c * 8), topv, _CMP_EQ_OQ), lanes(mb[c])));
+    if (!mb(c)) continue;
+    const int eq = _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(load8(x + c * 8), topv, _CMP_EQ_OQ), lanes(mb(c))));
     if (eq) return c * 8 + __builtin_ctz(eq);
   }
   if (tail_bits) {
@@ -374,13 +380,13 @@ bool wide(const std::string& isa) {
 }
 
 // One row of each kernel in the chosen instruction set (an AVX-512 build has AVX2 too).
-template <typename T>
+template <typename T, bool kMasked = true>
 int64_t argmax_row(bool w, const T* x, const uint32_t* bits, int64_t V) {
 #ifdef PDSERVE_HAVE_AVX512
-  if (w) return avx512::masked_argmax_row(x, bits, V);
+  if (w) return avx512::masked_argmax_row<T, kMasked>(x, bits, V);
 #endif
 #ifdef PDSERVE_HAVE_AVX2
-  return avx2::masked_argmax_row(x, reinterpret_cast<const uint8_t*>(bits), V);
+  return avx2::masked_argmax_row<T, kMasked>(x, reinterpret_cast<const uint8_t*>(bits), V);
 #else
   TORCH_CHECK(false, "no sampling kernels in this build");
   return 0;
@@ -436,6 +442,27 @@ torch::Tensor masked_argmax(const torch::Tensor& logits, const torch::Tensor& ro
   return out;
 }
 
+// Per row: the token with the largest logit, first on ties, the first NaN where the row has one (torch's
+// max(dim=-1).indices), in one pass over the logits as they are (bf16 or float32). torch's max over a bf16
+// row took 4x as long (96 rows of 151,936 tokens, host H: 8.7 against 2.0 ms).
+torch::Tensor argmax(const torch::Tensor& logits, const std::string& isa) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.device().is_cpu(), "logits: contiguous [N, V] on CPU");
+  const bool w = wide(isa);
+  const bool bf16 = logits.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(bf16 || logits.scalar_type() == torch::kFloat32, "logits: float32 or bfloat16");
+  auto out = torch::empty({logits.size(0)}, torch::kInt64);
+  const int64_t V = logits.size(1);
+  int64_t* o = out.data_ptr<int64_t>();
+  const void* base = logits.data_ptr();
+  at::parallel_for(0, logits.size(0), 4, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      o[i] = bf16 ? argmax_row<at::BFloat16, false>(w, static_cast<const at::BFloat16*>(base) + i * V, nullptr, V)
+                  : argmax_row<float, false>(w, static_cast<const float*>(base) + i * V, nullptr, V);
+    }
+  });
+  return out;
+}
+
 // -inf in place at every token of each row of `rows` that its mask does not allow (float32 logits).
 void apply_bitmask_(torch::Tensor& logits, const torch::Tensor& rows, const torch::Tensor& masks, const std::string& isa) {
   check(logits, rows, masks);
@@ -478,6 +505,8 @@ torch::Tensor sample_temperature(const torch::Tensor& logits, const torch::Tenso
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isas", &isas, "the instruction sets this build has kernels for, widest first");
+  m.def("argmax", &argmax, "per row, the largest logit's first token (torch's max(dim=-1).indices)", py::arg("logits"),
+        py::arg("isa"));
   m.def("sample_temperature", &sample_temperature, "one inverse-CDF draw per row from softmax(row / T)");
   m.def("masked_argmax", &masked_argmax, "argmax of each listed row over the tokens its packed mask allows");
   m.def("apply_bitmask_", &apply_bitmask_, "-inf in place where each listed row's packed mask is 0");
