@@ -3,9 +3,9 @@ has (`pdserve/runner/csrc/sampling.cpp`), ms per call on the vocabularies of the
 
     python benchmarks/sampling_kernels.py [--rows 1,16,64,160] [--vocab 49152,151936] [--dtype bfloat16]
 
-Per (rows, vocab): a temperature-1 draw from the logits as the model gives them, and greedy under a
-structured-output mask with half the tokens allowed; median of `--repeats` calls, each op and kernel
-in turn on the same inputs. Prints the host's CPU flags first (figures are only comparable on one host).
+Per (rows, vocab): greedy (the argmax of each row), a temperature-1 draw from the logits as the model
+gives them, and greedy under a structured-output mask with half the tokens allowed; median of `--repeats`
+calls, each op and kernel in turn on the same inputs. Prints the host's CPU flags first (figures are only comparable on one host).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def main() -> None:
     ext = load_kernels()
     isas = list(ext.isas()) if ext is not None else []
     kernels: dict[str, SamplingKernels] = {"torch": SamplingKernels(None)}
-    kernels.update({ISA_NAMES[i]: SamplingKernels(ext, i, i) for i in isas})
+    kernels.update({ISA_NAMES[i]: SamplingKernels(ext, i, i, i) for i in isas})
     dtype = getattr(torch, args.dtype)
     print(f"host: {cpu_name()}, {torch.get_num_threads()} threads, {' '.join(f for f, on in cpu_flags().items() if on)}")
     print(f"torch {torch.__version__}, logits {args.dtype}")
@@ -56,6 +56,7 @@ def main() -> None:
             masks = TokenMasks(torch.arange(rows), packed.to(torch.int32))
             temperature, u = torch.ones(rows), torch.rand(rows, generator=g)
             ops: dict[str, Callable[[SamplingKernels], object]] = {
+                "greedy": lambda k: k.greedy(logits),
                 "draw T=1": lambda k: k.draw(logits, temperature, u),
                 "masked greedy": lambda k: k.argmax(logits, masks),
             }
