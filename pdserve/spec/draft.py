@@ -24,7 +24,7 @@ from pdserve.batch import BatchRequest
 from pdserve.config import ModelConfig
 from pdserve.request import SamplingParams
 from pdserve.runner.model_runner import ModelRunner
-from pdserve.runner.sampler import greedy
+from pdserve.runner.kernels import greedy
 from pdserve.spec.proposer import DraftRequest
 
 _GREEDY = SamplingParams(temperature=0)  # the runner's batch rows need params; the draft takes the argmax

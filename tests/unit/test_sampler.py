@@ -215,7 +215,7 @@ def test_masked_vocab_never_sampled():
 
 
 def test_greedy_is_argmax_on_ties_and_nans():
-    from pdserve.runner.sampler import greedy
+    from pdserve.runner.kernels import greedy
 
     g = torch.Generator().manual_seed(0)
     for trial in range(100):
