@@ -36,7 +36,7 @@ namespace {
 // unnormalised probabilities into e and returns their sum) up to the token whose running sum passes it.
 // A target the running sum never passes (u near 1, or within rounding of a block's end) gives the last
 // token of nonzero probability before it. Every probability is computed once for the total and once more
-// for one block only, where a scan of the whole row computed them all twice (1.5-1.8x on a draw of 1 or
+// for one block only, where a scan of the whole row computed them all twice (1.3-1.8x on a draw of 1 or
 // 96 rows of 49k or 152k tokens, host H).
 constexpr int64_t kBlockChunks = 16;
 
