@@ -417,6 +417,29 @@ int64_t draw_row(bool w, const T* x, int64_t V, float inv_t, float u) {
 #endif
 }
 
+// The argmax of `n` rows of `logits` (row i: logits row r[i], or i without r) in the chosen instruction
+// set; row i's mask is bits + i * W when kMasked.
+template <bool kMasked>
+torch::Tensor argmax_rows(const torch::Tensor& logits, int64_t n, const int64_t* r, const uint32_t* bits, int64_t W,
+                          const std::string& isa) {
+  const bool w = wide(isa);
+  const bool bf16 = logits.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(bf16 || logits.scalar_type() == torch::kFloat32, "logits: float32 or bfloat16");
+  auto out = torch::empty({n}, torch::kInt64);
+  const int64_t V = logits.size(1);
+  int64_t* o = out.data_ptr<int64_t>();
+  const void* base = logits.data_ptr();
+  at::parallel_for(0, n, 4, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t row = r ? r[i] : i;
+      const uint32_t* m = kMasked ? bits + i * W : nullptr;
+      o[i] = bf16 ? argmax_row<at::BFloat16, kMasked>(w, static_cast<const at::BFloat16*>(base) + row * V, m, V)
+                  : argmax_row<float, kMasked>(w, static_cast<const float*>(base) + row * V, m, V);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 // Per row of `rows`: the allowed token with the largest logit (first on ties), as argmax over the
@@ -424,22 +447,8 @@ int64_t draw_row(bool w, const T* x, int64_t V, float inv_t, float u) {
 torch::Tensor masked_argmax(const torch::Tensor& logits, const torch::Tensor& rows, const torch::Tensor& masks,
                             const std::string& isa) {
   check(logits, rows, masks);
-  const bool w = wide(isa);
-  const bool bf16 = logits.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(bf16 || logits.scalar_type() == torch::kFloat32, "logits: float32 or bfloat16");
-  auto out = torch::empty({rows.size(0)}, torch::kInt64);
-  const int64_t V = logits.size(1), W = masks.size(1);
-  const int64_t* r = rows.data_ptr<int64_t>();
-  const uint32_t* bits = reinterpret_cast<const uint32_t*>(masks.data_ptr<int32_t>());
-  int64_t* o = out.data_ptr<int64_t>();
-  const void* base = logits.data_ptr();
-  at::parallel_for(0, rows.size(0), 4, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      o[i] = bf16 ? argmax_row(w, static_cast<const at::BFloat16*>(base) + r[i] * V, bits + i * W, V)
-                  : argmax_row(w, static_cast<const float*>(base) + r[i] * V, bits + i * W, V);
-    }
-  });
-  return out;
+  return argmax_rows<true>(logits, rows.size(0), rows.data_ptr<int64_t>(),
+                           reinterpret_cast<const uint32_t*>(masks.data_ptr<int32_t>()), masks.size(1), isa);
 }
 
 // Per row: the token with the largest logit, first on ties, the first NaN where the row has one (torch's
@@ -447,20 +456,7 @@ torch::Tensor masked_argmax(const torch::Tensor& logits, const torch::Tensor& ro
 // row took 4x as long (96 rows of 151,936 tokens, host H: 8.7 against 2.0 ms).
 torch::Tensor argmax(const torch::Tensor& logits, const std::string& isa) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.device().is_cpu(), "logits: contiguous [N, V] on CPU");
-  const bool w = wide(isa);
-  const bool bf16 = logits.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(bf16 || logits.scalar_type() == torch::kFloat32, "logits: float32 or bfloat16");
-  auto out = torch::empty({logits.size(0)}, torch::kInt64);
-  const int64_t V = logits.size(1);
-  int64_t* o = out.data_ptr<int64_t>();
-  const void* base = logits.data_ptr();
-  at::parallel_for(0, logits.size(0), 4, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      o[i] = bf16 ? argmax_row<at::BFloat16, false>(w, static_cast<const at::BFloat16*>(base) + i * V, nullptr, V)
-                  : argmax_row<float, false>(w, static_cast<const float*>(base) + i * V, nullptr, V);
-    }
-  });
-  return out;
+  return argmax_rows<false>(logits, logits.size(0), nullptr, nullptr, 0, isa);
 }
 
 // -inf in place at every token of each row of `rows` that its mask does not allow (float32 logits).
