@@ -110,6 +110,19 @@ def test_amx_rows_do_not_depend_on_the_batch():
 
 
 @amx
+@pytest.mark.parametrize("m, k", [(700, 1536), (300, 4864)])
+def test_amx_tall_inputs_go_in_row_blocks_with_the_same_rows(m, k):
+    """x past the kernel's L2 budget runs block-major (3 blocks of 256 rows at K = 1536, 2 of 160 at
+    K = 4864): the same bits per row as alone, and right against float32."""
+    w, x = rand(72, k, seed=11), rand(m, k, seed=12)
+    lin = AmxLinear(w)
+    full = lin(x)
+    for i in (0, 159, 160, 255, 256, 511, m - 1):
+        assert torch.equal(lin(x[i : i + 1]), full[i : i + 1])
+    torch.testing.assert_close(full.float(), x.float() @ w.float().T, rtol=8e-3, atol=1e-3 * k**0.5)
+
+
+@amx
 def test_amx_strided_rows_and_empty_input():
     lin = AmxLinear(rand(64, 128, seed=5))
     wide = rand(37, 384, seed=6)

@@ -128,6 +128,20 @@ def test_amx_int8_rows_do_not_depend_on_the_batch_and_share_the_panels():
     assert lin(wide[:0, :1536]).shape == (0, 300)
 
 
+@amx
+def test_amx_int8_tall_input_goes_in_row_blocks_with_the_same_rows():
+    """300 rows of K = 4864 pass the AMX kernel's L2 budget: two 160-row blocks, block-major, a panel
+    widened once per block; each row's bits as alone."""
+    w = quantize_int8(rand(72, 4864, seed=8))
+    lin = KERNELS["amx"](w)
+    batch = rand(300, 4864, seed=9).bfloat16()
+    full = lin(batch)
+    for i in (0, 159, 160, 299):
+        assert torch.equal(lin(batch[i : i + 1]), full[i : i + 1])
+    ref = (batch.float() @ w.q.float().T) * w.scale
+    torch.testing.assert_close(full.float(), ref, rtol=8e-3, atol=1e-3 * float(ref.abs().amax()))
+
+
 def test_pdserve_int8_rounds_rows_to_int16_steps_of_their_largest_value():
     """pdserve's AVX-512 kernel rounds each row of x to int16 steps of its largest value (vpdpwssd): on a
     row with one outlier 1000x the others every output stays within the rounding's bound, |q| . step / 2
