@@ -8,7 +8,7 @@
 // panel-major, each thread on its own panels, and while a panel's tiles run the thread prefetches its
 // next panel's stored bytes into L2, so weights stream from DRAM under the tile compute. A prompt
 // chunk's x does not: it goes in row blocks that do, block-major, each panel read once per block
-// (1.2-1.6x at 1,024-2,048 rows of K = 896, where every panel re-read all of x from L3). A row's result
+// (1.3-1.6x at 1,024-2,048 rows of K = 896, where every panel re-read all of x from L3). A row's result
 // is the tile unit's fp32 sums in a fixed k order, whatever the other rows: batch-invariant.
 #pragma once
 
