@@ -117,7 +117,7 @@ def test_amx_tall_inputs_go_in_row_blocks_with_the_same_rows(m, k):
     w, x = rand(72, k, seed=11), rand(m, k, seed=12)
     lin = AmxLinear(w)
     full = lin(x)
-    for i in (0, 159, 160, 255, 256, 511, m - 1):
+    for i in sorted({0, 159, 160, 255, 256, 511, m - 1} & set(range(m))):
         assert torch.equal(lin(x[i : i + 1]), full[i : i + 1])
     torch.testing.assert_close(full.float(), x.float() @ w.float().T, rtol=8e-3, atol=1e-3 * k**0.5)
 
