@@ -24,18 +24,15 @@ from __future__ import annotations
 import argparse
 import ctypes
 import hashlib
-import subprocess
-import tarfile
 import tempfile
 import time
-from io import BytesIO
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+from decode_ab import source_tree  # a revision's `pdserve/` from `git archive` (benchmarks/ is on sys.path)
 
-REPO = Path(__file__).resolve().parent.parent
 _M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD = -3, -1
 
 
@@ -46,17 +43,6 @@ def keep_large_allocations_in_the_heap() -> bool:
         return bool(libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 1 << 31))
     except (OSError, AttributeError):
         return False
-
-
-def source_tree(rev: str, tmp: Path) -> Path:
-    """The `pdserve/` directory of `rev` (`worktree`: this checkout's)."""
-    if rev == "worktree":
-        return REPO / "pdserve"
-    blob = subprocess.run(["git", "-C", str(REPO), "archive", rev, "pdserve"], check=True, capture_output=True).stdout
-    dest = tmp / rev.replace("/", "_").replace("~", "-").replace("^", "-")
-    with tarfile.open(fileobj=BytesIO(blob)) as tar:
-        tar.extractall(dest, filter="data")
-    return dest / "pdserve"
 
 
 def build(tree: Path) -> Any:
@@ -86,7 +72,7 @@ def main() -> None:
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     revs = args.revs.split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        exts = [build(source_tree(rev, Path(tmp))) for rev in revs]
+        exts = [build(source_tree(rev, Path(tmp)) / "pdserve") for rev in revs]
     if args.kernel == "amx" and not exts[0].amx_available():
         raise SystemExit("no AMX BF16 here (CPU, OS or compiler): try --kernel pdserve")
     gen = torch.Generator().manual_seed(0)
