@@ -46,15 +46,16 @@ def keep_large_allocations_in_the_heap() -> bool:
 
 
 def build(tree: Path) -> Any:
-    """That tree's linear extension, named by its sources' hash (identical trees share one build)."""
-    from pdserve.extensions import load_extension
+    """That tree's linear extension, built as the engine builds its own (`pdserve.model.linear._build`),
+    named by its sources' hash (identical trees share one build)."""
+    from pdserve.model.linear import _build
 
     csrc = tree / "model" / "csrc"
     digest = hashlib.sha1()
     for f in sorted([*csrc.glob("*.h"), csrc / "linear_bf16.cpp", *(tree / "csrc").glob("*.h")]):
         digest.update(f.read_bytes())
-    return load_extension(f"pdserve_linear_ab_{digest.hexdigest()[:12]}", [str(csrc / "linear_bf16.cpp")],
-                          ["-O3", "-march=native", "-fopenmp"], ["-fopenmp"])
+    return _build(f"pdserve_linear_ab_{digest.hexdigest()[:12]}", str(csrc / "linear_bf16.cpp"),
+                  "AVX-512 BF16 or AVX2 + FMA")
 
 
 def main() -> None:
