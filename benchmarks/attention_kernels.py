@@ -7,7 +7,7 @@ read from the cache and the GB/s that makes.
     .venv/bin/python benchmarks/attention_kernels.py --kv-dtypes bf16 --paths auto,avx2,portable,torch
 
 `--paths` times other decode paths on the bf16 cache beside it, each in its own column: `amx` the
-AVX-512 kernel with q.k on AMX tiles (CPUs with AMX), `avx2` and `portable` the C++ kernel's AVX2 + FMA
+AVX-512 kernel with q.k and p.v on AMX tiles (CPUs with AMX), `avx2` and `portable` the C++ kernel's AVX2 + FMA
 path and its portable loop forced (`paged_decode(isa=...)`), `torch` the reference's gather + bmm; `auto`
 the C++ kernel's default (the fastest ISA the build has; the engine's `--attention-backend auto` measures
 it against `amx` at start).

@@ -1,7 +1,7 @@
 """The decode attention kernel of two or more source trees, side by side, call by call.
 
     .venv/bin/python benchmarks/decode_ab.py [--revs HEAD~1,worktree] [--shapes 9/3,14/2]
-        [--batches 16,64] [--context 2048] [--kv-dtypes bf16,int8] [--rounds 12]
+        [--batches 16,64] [--context 2048] [--kv-dtypes bf16,int8] [--decode-kernel cpp|amx] [--rounds 12]
 
 A kernel change is worth what it measures against its parent on the same host in the same minutes; on a
 shared 2-core host the speed of DRAM drifts by tens of percent over minutes, so two runs one after the
@@ -46,9 +46,9 @@ def worker(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import attention_kernels as ak
 
-    from pdserve.attention.cpu_paged import CpuPagedAttention
+    from pdserve.attention.cpu_paged import AttentionPlan, CpuPagedAttention
 
-    attn = CpuPagedAttention()
+    attn = CpuPagedAttention(AttentionPlan(decode=args.decode_kernel))
     d = args.head_dim
     setups = []
     for h, kvh, b, dt in points(args):
@@ -88,6 +88,8 @@ def main() -> None:
     ap.add_argument("--kv-dtypes", default="bf16,int8", help="bf16, int8, fp8_e4m3")
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--decode-kernel", default="cpp", choices=["cpp", "amx"],
+                    help="the C++ kernel's default path, or its AMX one (a bf16 cache on an AMX CPU; others as cpp)")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--min-bytes", type=float, default=400e6, help="cache bytes one pass reads at least")
     ap.add_argument("--max-layers", type=int, default=30)

@@ -51,10 +51,12 @@ Where the CPU has AMX (and Linux grants the tile state), prefill has a third can
 the same flash loop with both products on the tile unit (scores as K Q^T, output as V^T P^T, so the
 lane-wise softmax stays as it is), for a bf16 cache; measured on a Xeon with AMX, 2 threads, 3-5x the
 AVX-512 kernel and 1.4-2x torch's SDPA at 256-2,048 tokens (`benchmarks/prefill_kernels.py`). Decode has
-a second C++ candidate there too, `paged_decode(isa="amx")`: the AVX-512 kernel with q.k on the tile unit
-(16 K rows from the cache as the A tile, the item's query heads as B, C transposed in registers), which
-drops the 16-row horizontal sums that cost most at 6-7 query heads per kv head (Qwen2.5); p.v, softmax and
-the prefetching are the AVX-512 kernel's (`benchmarks/attention_kernels.py --paths auto,amx`).
+a second C++ candidate there too, `paged_decode(isa="amx")`: the AVX-512 kernel with both products on the
+tile unit: q.k (16 K rows from the cache as the A tile, the item's query heads as B, C transposed in
+registers), which drops the 16-row horizontal sums that cost most at 6-7 query heads per kv head (Qwen2.5),
+and p.v (the heads' probabilities in bf16 as A, pairs of V rows interleaved by two unpacks as B), which
+drops the 2G FMAs per row and 32 dims; softmax and the prefetching are the AVX-512 kernel's
+(`benchmarks/attention_kernels.py --paths auto,amx`).
 
 Under `--attention-backend auto` the engine calls `autotune`, which times each phase's C++ kernels
 against the reference's (decode: gather + bmm; prefill: SDPA) on the model's shapes and sets an
@@ -105,7 +107,7 @@ def load_kernel():  # type: ignore[no-untyped-def]
 DECODE_BATCHES: tuple[int, ...] = (1, 8, 32)
 DECODE_CONTEXT = 512
 PREFILL_LENS: tuple[int, ...] = (16, 64, 256, 1024, 2048)
-# the C++ paged decode / with q.k on AMX tiles (a bf16 cache where the CPU has AMX); the reference's gather + bmm
+# the C++ paged decode / with q.k and p.v on AMX tiles (a bf16 cache where the CPU has AMX); the reference's gather + bmm
 DECODE_KERNELS = ("cpp", "amx", "torch")
 # the C++ flash prefill (AVX-512 BF16, else AVX2 + FMA) / on AMX tiles; torch SDPA in the model's dtype / on
 # inputs widened to float32 (a 16-bit model on a CPU without AVX-512 BF16: bf16 SDPA took 1.06-1.34x its time
@@ -192,7 +194,7 @@ class CpuPagedAttention(TorchAttention):
         if fast_decode:
             decode = f"C++ AVX-512 BF16{label} ({shape})"
             if self._kernel.decode_amx_fast_path(k_cache.dtype == torch.bfloat16, num_heads, kvh, head_dim, block_size):
-                decode += " or with q.k on AMX BF16 tiles"
+                decode += " or with q.k and p.v on AMX BF16 tiles"
         elif avx2_decode:
             decode = f"C++ AVX2 + FMA{label} ({shape})"
         else:

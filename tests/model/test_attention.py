@@ -154,7 +154,7 @@ def test_cpu_paged_decode_long_contexts(cpu_paged, block_size, shape):
 def decode_isas(cpu_paged) -> list[str]:
     """The paths `paged_decode(isa=...)` can be forced onto in this build: the portable loop always, the
     AVX2 + FMA kernel where the compiler targets AVX2 (every AVX-512 CPU too, so it is tested there), the
-    AVX-512 kernel with q.k on AMX tiles where the CPU has AMX BF16."""
+    AVX-512 kernel with q.k and p.v on AMX tiles where the CPU has AMX BF16."""
     k = cpu_paged._kernel
     return (["portable"] + (["avx2"] if k.decode_avx2_path(9, 3, 64) else [])
             + (["auto"] if k.decode_fast_path(True, 9, 3, 64) else [])

@@ -29,7 +29,7 @@
 #if defined(__SSE__)
 #include <xmmintrin.h>
 #endif
-#include "../../csrc/amx.h"  // PDSERVE_HAVE_AMX, the tile state and config (prefill_amx, decode AMX q.k)
+#include "../../csrc/amx.h"  // PDSERVE_HAVE_AMX, the tile state and config (prefill_amx, the AMX decode)
 
 namespace {
 
@@ -1828,6 +1828,80 @@ struct AmxScores {
     }
   }
 };
+
+// p.v of one decode item on the AMX tile unit (decode_avx512 with kAmx): O = P V, 32 keys a step. The
+// probabilities of the G heads (rounded to bf16, as prefill_amx's are; keys past the context zero) are the
+// A tile, one head per row; V's rows, two keys interleaved per dim (vpunpck{l,h}wd of the two rows, which
+// the tile unit wants as key pairs: dims come out in the order of the unpacks' 128-bit lanes), are four B
+// tiles of 16 dims; four C tiles of G x 16 hold 64 dims of the output, so a head_dim of 128 runs two
+// passes (the second over V from L2). Where pv_block spends 2G FMAs and a conversion per row and 32 dims
+// (the V pass was most of the kernel's arithmetic at G = 7), this spends two unpacks. Rows past the
+// context (whatever the cache holds there, NaN in the tests) are never loaded. tick(done, total) paces
+// the caller's prefetch stream. Writes accm[g][d] in dim order.
+template <int D, int G, typename Tick>
+__attribute__((always_inline)) inline void amx_pv(float (*accm)[D], const float* p, int64_t stride, int64_t L,
+                                                  const at::BFloat16* vh, const int64_t* blocks, int64_t BS,
+                                                  const Tick& tick) {
+  alignas(64) uint16_t a[16][32];      // the A tile: head g's 32 probabilities (bf16) in row g, rows >= G zero
+  alignas(64) int32_t b[4][16][16];    // the B tiles: [16 dims][key pair][dim]
+  alignas(64) float c[4][16][16];      // the C tiles stored: [16 dims][head][dim]
+  std::memset(a, 0, sizeof(a));
+  const __m512i lo_dims = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i hi_dims = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __m512i zero = _mm512_setzero_si512();
+  for (int half = 0; half < D / 64; ++half) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t t0 = 0; t0 < L; t0 += 32) {
+      const int64_t nk = std::min<int64_t>(32, L - t0);
+      const __mmask16 m0 = nk >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << nk) - 1u);
+      const __mmask16 m1 = nk >= 32 ? static_cast<__mmask16>(0xFFFF)
+                                    : static_cast<__mmask16>(nk <= 16 ? 0u : (1u << (nk - 16)) - 1u);
+      for (int g = 0; g < G; ++g) {
+        const float* pg = p + g * stride + t0;
+        const __m512bh two = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(m1, pg + 16), _mm512_maskz_loadu_ps(m0, pg));
+        _mm512_store_si512(a[g], (__m512i)two);
+      }
+      // Keys t0 .. t0 + 15 and t0 + 16 .. t0 + 31 each lie in one block (BS a multiple of 16).
+      const auto first_row = [&](int64_t key) { return vh + (blocks[key / BS] * BS + key % BS) * D + 64 * half; };
+      const at::BFloat16* base[2] = {first_row(t0), first_row(nk > 16 ? t0 + 16 : t0)};
+      for (int r = 0; r < 16; ++r) {
+        const int i = 2 * r;
+        const at::BFloat16* row = base[i >> 4] + (i & 15) * D;
+        for (int s = 0; s < 2; ++s) {  // 32 dims: unpacks into B tiles 2s (dims 8L + 0..3) and 2s + 1 (8L + 4..7)
+          const __m512i x = i < nk ? _mm512_loadu_si512(row + 32 * s) : zero;
+          const __m512i y = i + 1 < nk ? _mm512_loadu_si512(row + D + 32 * s) : zero;
+          _mm512_store_si512(b[2 * s][r], _mm512_unpacklo_epi16(x, y));
+          _mm512_store_si512(b[2 * s + 1][r], _mm512_unpackhi_epi16(x, y));
+        }
+      }
+      _tile_loadd(4, a, 64);
+      _tile_loadd(5, b[0], 64);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, b[1], 64);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(5, b[2], 64);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(6, b[3], 64);
+      _tile_dpbf16ps(3, 4, 6);
+      tick(half * L + t0 + nk, (D / 64) * L);
+    }
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    _tile_stored(2, c[2], 64);
+    _tile_stored(3, c[3], 64);
+    // C tile 2s + u, lane l = 4L + j, is dim 32s + 8L + 4u + j of this half.
+    for (int g = 0; g < G; ++g)
+      for (int s = 0; s < 2; ++s) {
+        const __m512 x0 = _mm512_load_ps(c[2 * s][g]), x1 = _mm512_load_ps(c[2 * s + 1][g]);
+        float* o = accm[g] + 64 * half + 32 * s;
+        _mm512_store_ps(o, _mm512_permutex2var_ps(x0, lo_dims, x1));
+        _mm512_store_ps(o + 16, _mm512_permutex2var_ps(x0, hi_dims, x1));
+      }
+  }
+}
 #endif  // AMX
 
 // bf16 K/V, head_dim D (64 or 128), G query heads per kv head: AVX-512 BF16 dot products for q.k (32
@@ -1845,7 +1919,8 @@ struct AmxScores {
 // offsets m: q.k_t = s_t (q . c_t) + m_t sum(q), each head's sum(q) once per step; p.v = sum_t (p_t s_t)
 // c_t + sum_t p_t m_t, the second one scalar per head added to every dim at the end (the int4 kernel's
 // values take the same fold).
-// kAmx (a bf16 cache, where the CPU has AMX BF16): q.k on the tile unit (AmxScores), the rest as above.
+// kAmx (a bf16 cache, where the CPU has AMX BF16): q.k (AmxScores) and p.v (amx_pv) on the tile unit, the
+// softmax and the streams as above.
 template <int D, int G, typename R, bool kAmx = false>
 void decode_avx512(const at::BFloat16* q, const typename R::T* k_cache, const typename R::T* v_cache,
                    const float* k_scale, const float* v_scale, const int64_t* table, const int64_t* ctx,
@@ -1890,7 +1965,7 @@ void decode_avx512(const at::BFloat16* q, const typename R::T* k_cache, const ty
     if (first) warm(kh);
     start_streams(vh, vsh, blocks, L);
 #ifdef PDSERVE_HAVE_AMX
-    static_assert(!kAmx || !R::kQuantized, "AMX q.k reads bf16 rows");
+    static_assert(!kAmx || !R::kQuantized, "the AMX decode reads bf16 rows");
     [[maybe_unused]] AmxScores<D, G> amx;  // on the stack (trivial; unused without kAmx)
     if constexpr (kAmx) {
       if (first) {
@@ -2013,19 +2088,25 @@ void decode_avx512(const at::BFloat16* q, const typename R::T* k_cache, const ty
                     table + b1 * max_blocks, ctx[b1]);
     }
     alignas(64) float accm[G][D];
-    for (int g = 0; g < G; ++g)
-      for (int d = 0; d < D; d += 16) _mm512_store_ps(accm[g] + d, _mm512_setzero_ps());
-    for (int64_t j = 0; j < nblocks; ++j) {
-      const T* vb = vh + blocks[j] * BS * D;
-      const int64_t t0 = j * BS, n = std::min(BS, L - t0);
-      if constexpr (R::kIntDot) {
-        int_pv_block_vnni<D, G>(accm, scores.data() + t0, stride, n, vb,
-                                [&](int c, int64_t t) { pace(t0 * NC + c * n + t, L * NC); });
-        continue;
+    if constexpr (kAmx) {
+#ifdef PDSERVE_HAVE_AMX
+      amx_pv<D, G>(accm, scores.data(), stride, L, vh, blocks, BS, [&](int64_t done, int64_t total) { pace(done, total); });
+#endif
+    } else {
+      for (int g = 0; g < G; ++g)
+        for (int d = 0; d < D; d += 16) _mm512_store_ps(accm[g] + d, _mm512_setzero_ps());
+      for (int64_t j = 0; j < nblocks; ++j) {
+        const T* vb = vh + blocks[j] * BS * D;
+        const int64_t t0 = j * BS, n = std::min(BS, L - t0);
+        if constexpr (R::kIntDot) {
+          int_pv_block_vnni<D, G>(accm, scores.data() + t0, stride, n, vb,
+                                  [&](int c, int64_t t) { pace(t0 * NC + c * n + t, L * NC); });
+          continue;
+        }
+        pv_block<D, G>(accm, scores.data() + t0, stride, n,
+                       [&](int64_t t, int c, __m512& v0, __m512& v1) { R::f32x32(vb + t * D + 32 * c, v0, v1); },
+                       [&](int c, int64_t t) { pace(t0 * NC + c * n + t, L * NC); });
       }
-      pv_block<D, G>(accm, scores.data() + t0, stride, n,
-                     [&](int64_t t, int c, __m512& v0, __m512& v1) { R::f32x32(vb + t * D + 32 * c, v0, v1); },
-                     [&](int c, int64_t t) { pace(t0 * NC + c * n + t, L * NC); });
     }
     pace(1, 1);
     for (int g = 0; g < G; ++g) {
@@ -3039,8 +3120,8 @@ bool decode_int4_avx2_path(bool bf16, int64_t H, int64_t KVH, int64_t D, int64_t
 // q [B, H, D]; k_cache, v_cache [KVH, NB, BS, D] (contiguous); table [B, max_blocks] int64;
 // context_lens [B] int64 (>= 1); k_scale, v_scale the rows' parameters with an int8 or fp8 cache (cache_scales).
 // isa: "auto" takes the fastest path this build has for the shapes (AVX-512 BF16, else AVX2, else the
-// portable loop); "avx2" / "portable" force one (tests, benchmarks); "amx" the AVX-512 BF16 kernel with q.k on
-// AMX tiles (a bf16 cache only, where decode_amx_fast_path; an error elsewhere: the caller checks, as the
+// portable loop); "avx2" / "portable" force one (tests, benchmarks); "amx" the AVX-512 BF16 kernel with q.k and
+// p.v on AMX tiles (a bf16 cache only, where decode_amx_fast_path; an error elsewhere: the caller checks, as the
 // attention plan does). Returns [B, H, D] in q's dtype.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
                            torch::Tensor context_lens, double scale, std::optional<torch::Tensor> k_scale,
