@@ -206,6 +206,38 @@ def test_cpu_paged_decode_forced_paths(cpu_paged, block_size, shape, isa):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("isa", ["auto", "amx"])
+@pytest.mark.parametrize("shape", [(14, 2, 64), (12, 2, 128)], ids=["qwen-0.5b", "qwen-1.5b"])
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_cpu_paged_decode_long_contexts(cpu_paged, block_size, shape, isa):
+    """Contexts whose K or V side is longer than what the AVX-512 kernel prefetches whole (then it streams
+    a fixed lead ahead of the compute) and than the AMX p.v's windows (head_dim 128 takes its two halves
+    window by window): right against naive attention, rows past the context NaN."""
+    if isa not in decode_isas(cpu_paged):
+        pytest.skip(f"no {isa} path in this build")
+    g = torch.Generator().manual_seed(5)
+    (H, KVH, D) = shape
+    ctx = [1100, 2500, 513, 1]
+    nblocks = sum(-(-c // block_size) for c in ctx) + 1
+    k_cache = torch.randn(KVH, nblocks, block_size, D, generator=g).bfloat16()
+    v_cache = torch.randn(KVH, nblocks, block_size, D, generator=g).bfloat16()
+    perm = torch.randperm(nblocks, generator=g).tolist()
+    tables = [[perm.pop() for _ in range(-(-c // block_size))] for c in ctx]
+    max_nb = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (max_nb - len(t)) for t in tables])
+    for c, t in zip(ctx, tables):
+        if c % block_size:
+            k_cache[:, t[-1], c % block_size :] = float("nan")
+            v_cache[:, t[-1], c % block_size :] = float("nan")
+    q = torch.randn(len(ctx), H, D, generator=g).bfloat16()
+    out = cpu_paged._kernel.paged_decode(q, k_cache, v_cache, table, torch.tensor(ctx), D**-0.5, isa=isa)
+    for i, (c, t) in enumerate(zip(ctx, tables)):
+        rows = torch.tensor([t[j // block_size] * block_size + j % block_size for j in range(c)])
+        kk = k_cache.reshape(KVH, -1, D)[:, rows].transpose(0, 1)
+        vv = v_cache.reshape(KVH, -1, D)[:, rows].transpose(0, 1)
+        torch.testing.assert_close(out[i : i + 1].float(), naive(q[i : i + 1], kk, vv, D**-0.5), atol=2e-2, rtol=2e-2)
+
+
 def test_cpu_paged_decode_isa_errors(cpu_paged):
     """An unknown isa, or the AVX2 or AMX path asked for where it cannot run (a float32 cache), is an error."""
     q = torch.randn(1, 9, 64).bfloat16()

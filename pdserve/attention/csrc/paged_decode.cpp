@@ -156,6 +156,11 @@ HeadPlanes<R> head_planes(const typename R::T* k_cache, const typename R::T* v_c
           R::kQuantized ? v_scale + row0 : nullptr};
 }
 
+// decode_avx512's sides (an item's K or V) of up to kWholeSideLines (128 KB) arrive in L2 whole under the
+// compute of the side before; of a longer one the first kLeadLines (64 KB) so, the rest that far ahead of
+// its own compute.
+constexpr int64_t kWholeSideLines = 2048, kLeadLines = 1024;
+
 // The lines of a list of cache blocks, prefetched into L2 a few at a time while the kernel computes on
 // other rows: pace(done, total) issues prefetches until the share issued reaches done / total, so the
 // reads are spread evenly over the compute they hide under (a burst of a block's worth stalls on the
@@ -171,13 +176,17 @@ struct L2Stream {
     last_bytes = bytes_of_last, lines = nb == 0 ? 0 : (nb - 1) * ((bytes_per_block + 63) / 64) + (bytes_of_last + 63) / 64;
     issued = j = off = 0;
   }
-  void pace(int64_t done, int64_t total) {
-    const int64_t target = total <= 0 ? lines : std::min(lines, (lines * done + total - 1) / total);
+  void pace(int64_t done, int64_t total) { upto(total <= 0 ? lines : (lines * done + total - 1) / total); }
+  // Issues the stream's lines up to the target-th (all of them at most); issue = false only moves past
+  // them (lines something else brought in).
+  void upto(int64_t target, bool issue = true) {
+    target = std::min(lines, target);
     while (issued < target) {  // a run of lines within one block at a time: a plain loop of prefetches
       const int64_t end = j + 1 == nblocks ? last_bytes : block_bytes;
       const char* p = base + blocks[j] * block_bytes + off;
       const int64_t n = std::min(target - issued, (end - off + 63) / 64);
-      for (int64_t i = 0; i < n; ++i) _mm_prefetch(p + 64 * i, _MM_HINT_T1);
+      if (issue)
+        for (int64_t i = 0; i < n; ++i) _mm_prefetch(p + 64 * i, _MM_HINT_T1);
       issued += n, off += 64 * n;
       if (off >= end) off = 0, ++j;
     }
@@ -1833,74 +1842,86 @@ struct AmxScores {
 // probabilities of the G heads (rounded to bf16, as prefill_amx's are; keys past the context zero) are the
 // A tile, one head per row; V's rows, two keys interleaved per dim (vpunpck{l,h}wd of the two rows, which
 // the tile unit wants as key pairs: dims come out in the order of the unpacks' 128-bit lanes), are four B
-// tiles of 16 dims; four C tiles of G x 16 hold 64 dims of the output, so a head_dim of 128 runs two
-// passes (the second over V from L2). Where pv_block spends 2G FMAs and a conversion per row and 32 dims
-// (the V pass was most of the kernel's arithmetic at G = 7), this spends two unpacks. Rows past the
-// context (whatever the cache holds there, NaN in the tests) are never loaded. tick(done, total) paces
-// the caller's prefetch stream. Writes accm[g][d] in dim order.
+// tiles of 16 dims; four C tiles of G x 16 hold 64 dims of the output. A head_dim of 128 takes its two
+// halves in turn over windows of kPvWindow keys (the window's V read from DRAM once, again from L2),
+// the C tiles parked in L1 between windows (head_dim 64: one window). Where pv_block spends 2G FMAs and
+// a conversion per row and 32 dims (the V pass was most of the kernel's arithmetic at G = 7), this
+// spends two unpacks. Rows past the context (whatever the cache holds there, NaN in the tests) are never
+// loaded. tick(done, total) paces the caller's prefetch streams. Writes accm[g][d] in dim order.
+constexpr int64_t kPvWindow = 512;
 template <int D, int G, typename Tick>
 __attribute__((always_inline)) inline void amx_pv(float (*accm)[D], const float* p, int64_t stride, int64_t L,
                                                   const at::BFloat16* vh, const int64_t* blocks, int64_t BS,
                                                   const Tick& tick) {
-  alignas(64) uint16_t a[16][32];      // the A tile: head g's 32 probabilities (bf16) in row g, rows >= G zero
-  alignas(64) int32_t b[4][16][16];    // the B tiles: [16 dims][key pair][dim]
-  alignas(64) float c[4][16][16];      // the C tiles stored: [16 dims][head][dim]
+  alignas(64) uint16_t a[16][32];    // the A tile: head g's 32 probabilities (bf16) in row g, rows >= G zero
+  alignas(64) int32_t b[4][16][16];  // the B tiles: [16 dims][key pair][dim]
+  alignas(64) float c[D / 16][16][16];  // the C tiles between windows: [16 dims][head][dim]
   std::memset(a, 0, sizeof(a));
+  const __m512i zero = _mm512_setzero_si512();
+  const int64_t window = D == 64 ? L : kPvWindow;  // one half: no windows
+  for (int64_t w0 = 0; w0 < L; w0 += window) {
+    const int64_t w1 = std::min(L, w0 + window);
+    for (int half = 0; half < D / 64; ++half) {
+      if (w0 == 0) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      } else {
+        _tile_loadd(0, c[4 * half], 64);
+        _tile_loadd(1, c[4 * half + 1], 64);
+        _tile_loadd(2, c[4 * half + 2], 64);
+        _tile_loadd(3, c[4 * half + 3], 64);
+      }
+      for (int64_t t0 = w0; t0 < w1; t0 += 32) {
+        const int64_t nk = std::min<int64_t>(32, L - t0);
+        const __mmask16 m0 = nk >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << nk) - 1u);
+        const __mmask16 m1 = nk >= 32 ? static_cast<__mmask16>(0xFFFF)
+                                      : static_cast<__mmask16>(nk <= 16 ? 0u : (1u << (nk - 16)) - 1u);
+        for (int g = 0; g < G; ++g) {
+          const float* pg = p + g * stride + t0;
+          const __m512bh two = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(m1, pg + 16), _mm512_maskz_loadu_ps(m0, pg));
+          _mm512_store_si512(a[g], (__m512i)two);
+        }
+        // Keys t0 .. t0 + 15 and t0 + 16 .. t0 + 31 each lie in one block (BS a multiple of 16).
+        const auto first_row = [&](int64_t key) { return vh + (blocks[key / BS] * BS + key % BS) * D + 64 * half; };
+        const at::BFloat16* base[2] = {first_row(t0), first_row(nk > 16 ? t0 + 16 : t0)};
+        for (int r = 0; r < 16; ++r) {
+          const int i = 2 * r;
+          const at::BFloat16* row = base[i >> 4] + (i & 15) * D;
+          for (int s = 0; s < 2; ++s) {  // 32 dims: unpacks into B tiles 2s (dims 8L + 0..3) and 2s + 1 (8L + 4..7)
+            const __m512i x = i < nk ? _mm512_loadu_si512(row + 32 * s) : zero;
+            const __m512i y = i + 1 < nk ? _mm512_loadu_si512(row + D + 32 * s) : zero;
+            _mm512_store_si512(b[2 * s][r], _mm512_unpacklo_epi16(x, y));
+            _mm512_store_si512(b[2 * s + 1][r], _mm512_unpackhi_epi16(x, y));
+          }
+        }
+        _tile_loadd(4, a, 64);
+        _tile_loadd(5, b[0], 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, b[1], 64);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(5, b[2], 64);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(6, b[3], 64);
+        _tile_dpbf16ps(3, 4, 6);
+        tick(w0 * (D / 64) + half * (w1 - w0) + t0 + nk - w0, (D / 64) * L);
+      }
+      _tile_stored(0, c[4 * half], 64);
+      _tile_stored(1, c[4 * half + 1], 64);
+      _tile_stored(2, c[4 * half + 2], 64);
+      _tile_stored(3, c[4 * half + 3], 64);
+    }
+  }
+  // C tile 4h + 2s + u, lane l = 4L + j, is dim 64h + 32s + 8L + 4u + j.
   const __m512i lo_dims = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i hi_dims = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  const __m512i zero = _mm512_setzero_si512();
-  for (int half = 0; half < D / 64; ++half) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t t0 = 0; t0 < L; t0 += 32) {
-      const int64_t nk = std::min<int64_t>(32, L - t0);
-      const __mmask16 m0 = nk >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << nk) - 1u);
-      const __mmask16 m1 = nk >= 32 ? static_cast<__mmask16>(0xFFFF)
-                                    : static_cast<__mmask16>(nk <= 16 ? 0u : (1u << (nk - 16)) - 1u);
-      for (int g = 0; g < G; ++g) {
-        const float* pg = p + g * stride + t0;
-        const __m512bh two = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(m1, pg + 16), _mm512_maskz_loadu_ps(m0, pg));
-        _mm512_store_si512(a[g], (__m512i)two);
-      }
-      // Keys t0 .. t0 + 15 and t0 + 16 .. t0 + 31 each lie in one block (BS a multiple of 16).
-      const auto first_row = [&](int64_t key) { return vh + (blocks[key / BS] * BS + key % BS) * D + 64 * half; };
-      const at::BFloat16* base[2] = {first_row(t0), first_row(nk > 16 ? t0 + 16 : t0)};
-      for (int r = 0; r < 16; ++r) {
-        const int i = 2 * r;
-        const at::BFloat16* row = base[i >> 4] + (i & 15) * D;
-        for (int s = 0; s < 2; ++s) {  // 32 dims: unpacks into B tiles 2s (dims 8L + 0..3) and 2s + 1 (8L + 4..7)
-          const __m512i x = i < nk ? _mm512_loadu_si512(row + 32 * s) : zero;
-          const __m512i y = i + 1 < nk ? _mm512_loadu_si512(row + D + 32 * s) : zero;
-          _mm512_store_si512(b[2 * s][r], _mm512_unpacklo_epi16(x, y));
-          _mm512_store_si512(b[2 * s + 1][r], _mm512_unpackhi_epi16(x, y));
-        }
-      }
-      _tile_loadd(4, a, 64);
-      _tile_loadd(5, b[0], 64);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(6, b[1], 64);
-      _tile_dpbf16ps(1, 4, 6);
-      _tile_loadd(5, b[2], 64);
-      _tile_dpbf16ps(2, 4, 5);
-      _tile_loadd(6, b[3], 64);
-      _tile_dpbf16ps(3, 4, 6);
-      tick(half * L + t0 + nk, (D / 64) * L);
+  for (int g = 0; g < G; ++g)
+    for (int s = 0; s < D / 32; ++s) {
+      const __m512 x0 = _mm512_load_ps(c[2 * s][g]), x1 = _mm512_load_ps(c[2 * s + 1][g]);
+      _mm512_store_ps(accm[g] + 32 * s, _mm512_permutex2var_ps(x0, lo_dims, x1));
+      _mm512_store_ps(accm[g] + 32 * s + 16, _mm512_permutex2var_ps(x0, hi_dims, x1));
     }
-    _tile_stored(0, c[0], 64);
-    _tile_stored(1, c[1], 64);
-    _tile_stored(2, c[2], 64);
-    _tile_stored(3, c[3], 64);
-    // C tile 2s + u, lane l = 4L + j, is dim 32s + 8L + 4u + j of this half.
-    for (int g = 0; g < G; ++g)
-      for (int s = 0; s < 2; ++s) {
-        const __m512 x0 = _mm512_load_ps(c[2 * s][g]), x1 = _mm512_load_ps(c[2 * s + 1][g]);
-        float* o = accm[g] + 64 * half + 32 * s;
-        _mm512_store_ps(o, _mm512_permutex2var_ps(x0, lo_dims, x1));
-        _mm512_store_ps(o + 16, _mm512_permutex2var_ps(x0, hi_dims, x1));
-      }
-  }
 }
 #endif  // AMX
 
@@ -1936,34 +1957,66 @@ void decode_avx512(const at::BFloat16* q, const typename R::T* k_cache, const ty
     const int64_t* blocks = table + b * max_blocks;
     const int64_t nblocks = (L + BS - 1) / BS;
     const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
-    L2Stream stream, params;  // rows, and a quantized cache's row parameters
-    const auto start_streams = [&](const T* rows, const float* slots, const int64_t* blk, int64_t L1) {
-      const int64_t nb1 = (L1 + BS - 1) / BS, last_rows = L1 - (nb1 - 1) * BS;
-      stream.start(rows, blk, nb1, block_bytes, last_rows * row_bytes);
-      if (R::kQuantized) params.start(slots, blk, nb1, scale_bytes, last_rows * 4);
+    // Streams into L2 (L2Stream) of one side (an item's K or V): its rows and a quantized cache's row
+    // parameters, the parameters issued in step with the rows.
+    struct Side {
+      L2Stream rows, params;
+      void upto(int64_t target, bool issue = true) {
+        target = std::min(target, rows.lines);
+        if (target <= rows.issued) return;  // (most calls: no division below)
+        rows.upto(target, issue);
+        if (R::kQuantized) params.upto((params.lines * target + rows.lines - 1) / rows.lines, issue);
+      }
     };
-    const auto pace = [&](int64_t done, int64_t total) {
-      stream.pace(done, total);
-      if (R::kQuantized) params.pace(done, total);
+    const auto start_side = [&](Side& side, const T* rows, const float* slots, const int64_t* blk, int64_t L1) {
+      const int64_t nb1 = (L1 + BS - 1) / BS, last_rows = L1 - (nb1 - 1) * BS;
+      side.rows.start(rows, blk, nb1, block_bytes, last_rows * row_bytes);
+      if (R::kQuantized) side.params.start(slots, blk, nb1, scale_bytes, last_rows * 4);
     };
     const at::BFloat16* qh = q + (b * H + h * G) * D;  // the group's G query heads, contiguous
     const int64_t stride = nblocks * BS + 16;  // room to store whole 16-token groups past L
     scores.resize(G * stride);
     const auto [kh, vh, ksh, vsh] = head_planes<R>(k_cache, v_cache, k_scale, v_scale, h, NB * BS, D);
-    // A thread's first item reads its K blocks in a pure-load pass first (one load per line and nothing
-    // else: as many misses in flight as the core allows, the L2 streamer running ahead in each page);
-    // every later side arrives through the streams above, prefetched under the compute of the side before.
-    const auto warm = [&](const T* base) {
+    // What arrives when: a side of up to kWholeSideLines arrives whole under the compute of the side
+    // before it (V under K's, the thread's next item's K under V's), paced to end as that compute ends;
+    // of a longer side (at 8k tokens one side is 1-2 MB, an AMX core's whole L2, and a V arriving whole
+    // under K's compute evicted K's lines before they were read) the first kLeadLines arrive so and the
+    // rest kLeadLines ahead of its own compute.
+    Side ks, vs, next;  // this item's K and V, the thread's next item's K
+    start_side(ks, kh, ksh, blocks, L);
+    start_side(vs, vh, vsh, blocks, L);
+    const int64_t side_lines = ks.rows.lines, k_ahead = side_lines <= kWholeSideLines ? side_lines : kLeadLines;
+    int64_t next_ahead = 0;
+    if (!last) {
+      const int64_t b1 = (idx + 1) / KVH, h1 = (idx + 1) % KVH;
+      start_side(next, k_cache + h1 * NB * BS * D, R::kQuantized ? k_scale + h1 * NB * BS : nullptr,
+                 table + b1 * max_blocks, ctx[b1]);
+      next_ahead = next.rows.lines <= kWholeSideLines ? next.rows.lines : kLeadLines;
+    }
+    // A thread's first item reads the head of its K in a pure-load pass first (one load per line and
+    // nothing else: as many misses in flight as the core allows, the L2 streamer running ahead in each
+    // page); a later item's arrived under the item before it.
+    if (first) {
       __m512i x = _mm512_setzero_si512();
-      for (int64_t j = 0; j < nblocks; ++j) {
-        const char* p = reinterpret_cast<const char*>(base + blocks[j] * BS * D);
-        const int64_t bytes = std::min(BS, L - j * BS) * D * static_cast<int64_t>(sizeof(T));
+      for (int64_t j = 0, left = 64 * k_ahead; j < nblocks && left > 0; ++j) {
+        const char* p = reinterpret_cast<const char*>(kh + blocks[j] * BS * D);
+        const int64_t bytes = std::min(left, std::min(BS, L - j * BS) * row_bytes);
         for (int64_t off = 0; off < bytes; off += 64) x = _mm512_or_si512(x, _mm512_loadu_si512(p + off));
+        left -= bytes;
       }
       asm volatile("" : : "v"(x));  // keeps the loads
+    }
+    ks.upto(k_ahead, /*issue=*/false);
+    const auto share = [](int64_t lines, int64_t done, int64_t total) { return (lines * done + total - 1) / total; };
+    const auto k_pass = [&](int64_t done, int64_t total) {  // done / total of K computed on
+      const int64_t f = share(side_lines, done, total);
+      if (k_ahead < side_lines) ks.upto(f + kLeadLines);
+      vs.upto(f - (side_lines - k_ahead));
     };
-    if (first) warm(kh);
-    start_streams(vh, vsh, blocks, L);
+    const auto v_pass = [&](int64_t done, int64_t total) {  // done / total of V computed on
+      if (vs.rows.issued < side_lines) vs.upto(share(side_lines, done, total) + kLeadLines);
+      if (next.rows.issued < next_ahead) next.upto(share(next_ahead, done, total));
+    };
 #ifdef PDSERVE_HAVE_AMX
     static_assert(!kAmx || !R::kQuantized, "the AMX decode reads bf16 rows");
     [[maybe_unused]] AmxScores<D, G> amx;  // on the stack (trivial; unused without kAmx)
@@ -1994,7 +2047,7 @@ void decode_avx512(const at::BFloat16* q, const typename R::T* k_cache, const ty
       const int64_t t0 = j * BS, n = std::min(BS, L - t0);
       int64_t t = 0;
       for (; t + 16 <= BS && t < n; t += 16) {  // 16 rows at a time (rows past n are read, never used)
-        pace(t0 + t + 16, L);
+        k_pass(t0 + t + 16, L);
         __m512 row_scale = vscale, row_zero = _mm512_setzero_ps();  // softmax scale x the rows' s, m
         if constexpr (R::kQuantized) {
           __m512 s, m;
@@ -2080,17 +2133,11 @@ void decode_avx512(const at::BFloat16* q, const typename R::T* k_cache, const ty
       if constexpr (R::kZero)
         for (int g = 0; g < G; ++g) z_sum[g] = _mm512_reduce_add_ps(zacc[g]);
     }
-    pace(1, 1);  // the rest of V
-    stream = params = L2Stream();
-    if (!last) {  // the thread's next item's K
-      const int64_t b1 = (idx + 1) / KVH, h1 = (idx + 1) % KVH;
-      start_streams(k_cache + h1 * NB * BS * D, R::kQuantized ? k_scale + h1 * NB * BS : nullptr,
-                    table + b1 * max_blocks, ctx[b1]);
-    }
+    vs.upto(k_ahead);  // V's share due by the end of the K pass
     alignas(64) float accm[G][D];
     if constexpr (kAmx) {
 #ifdef PDSERVE_HAVE_AMX
-      amx_pv<D, G>(accm, scores.data(), stride, L, vh, blocks, BS, [&](int64_t done, int64_t total) { pace(done, total); });
+      amx_pv<D, G>(accm, scores.data(), stride, L, vh, blocks, BS, [&](int64_t done, int64_t total) { v_pass(done, total); });
 #endif
     } else {
       for (int g = 0; g < G; ++g)
@@ -2100,15 +2147,15 @@ void decode_avx512(const at::BFloat16* q, const typename R::T* k_cache, const ty
         const int64_t t0 = j * BS, n = std::min(BS, L - t0);
         if constexpr (R::kIntDot) {
           int_pv_block_vnni<D, G>(accm, scores.data() + t0, stride, n, vb,
-                                  [&](int c, int64_t t) { pace(t0 * NC + c * n + t, L * NC); });
+                                  [&](int c, int64_t t) { v_pass(t0 * NC + c * n + t, L * NC); });
           continue;
         }
         pv_block<D, G>(accm, scores.data() + t0, stride, n,
                        [&](int64_t t, int c, __m512& v0, __m512& v1) { R::f32x32(vb + t * D + 32 * c, v0, v1); },
-                       [&](int c, int64_t t) { pace(t0 * NC + c * n + t, L * NC); });
+                       [&](int c, int64_t t) { v_pass(t0 * NC + c * n + t, L * NC); });
       }
     }
-    pace(1, 1);
+    v_pass(1, 1);
     for (int g = 0; g < G; ++g) {
       at::BFloat16* o = out + (b * H + h * G + g) * D;
       const __m512 z = _mm512_set1_ps(z_sum[g]);
