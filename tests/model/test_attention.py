@@ -209,7 +209,7 @@ def test_cpu_paged_decode_forced_paths(cpu_paged, block_size, shape, isa):
 @pytest.mark.parametrize("isa", ["auto", "amx"])
 @pytest.mark.parametrize("shape", [(14, 2, 64), (12, 2, 128)], ids=["qwen-0.5b", "qwen-1.5b"])
 @pytest.mark.parametrize("block_size", [16, 128])
-def test_cpu_paged_decode_long_contexts(cpu_paged, block_size, shape, isa):
+def test_cpu_paged_decode_sides_past_the_whole_side_prefetch(cpu_paged, block_size, shape, isa):
     """Contexts whose K or V side is longer than what the AVX-512 kernel prefetches whole (then it streams
     a fixed lead ahead of the compute) and than the AMX p.v's windows (head_dim 128 takes its two halves
     window by window): right against naive attention, rows past the context NaN."""
