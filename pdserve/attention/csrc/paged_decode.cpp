@@ -2137,7 +2137,7 @@ void decode_avx512(const at::BFloat16* q, const typename R::T* k_cache, const ty
     alignas(64) float accm[G][D];
     if constexpr (kAmx) {
 #ifdef PDSERVE_HAVE_AMX
-      amx_pv<D, G>(accm, scores.data(), stride, L, vh, blocks, BS, [&](int64_t done, int64_t total) { v_pass(done, total); });
+      amx_pv<D, G>(accm, scores.data(), stride, L, vh, blocks, BS, v_pass);
 #endif
     } else {
       for (int g = 0; g < G; ++g)
