@@ -161,6 +161,34 @@ def decode_isas(cpu_paged) -> list[str]:
             + (["amx"] if k.decode_amx_fast_path(True, 9, 3, 64, 16) else []))
 
 
+def checked_decode(cpu_paged, ctx, block_size, shape, isa, seed, nan_past_context):
+    """`paged_decode(isa=...)` over random bf16 K/V in blocks scattered at random (rows past each context
+    NaN if asked), each request's output checked against naive attention; returns a rerun and the output."""
+    g = torch.Generator().manual_seed(seed)
+    (H, KVH, D) = shape
+    nblocks = sum(-(-c // block_size) for c in ctx) + 2
+    k_cache = torch.randn(KVH, nblocks, block_size, D, generator=g).bfloat16()
+    v_cache = torch.randn(KVH, nblocks, block_size, D, generator=g).bfloat16()
+    perm = torch.randperm(nblocks, generator=g).tolist()
+    max_nb = max(-(-c // block_size) for c in ctx)
+    tables = [[perm.pop() for _ in range(-(-c // block_size))] for c in ctx]
+    table = torch.tensor([t + [0] * (max_nb - len(t)) for t in tables])
+    q = torch.randn(len(ctx), H, D, generator=g).bfloat16()
+    if nan_past_context:
+        for c, t in zip(ctx, tables):
+            if c % block_size:
+                k_cache[:, t[-1], c % block_size :] = float("nan")
+                v_cache[:, t[-1], c % block_size :] = float("nan")
+    run = lambda: cpu_paged._kernel.paged_decode(q, k_cache, v_cache, table, torch.tensor(ctx), D**-0.5, isa=isa)
+    out = run()
+    for i, (c, t) in enumerate(zip(ctx, tables)):
+        rows = torch.tensor([t[j // block_size] * block_size + j % block_size for j in range(c)])
+        kk = k_cache.reshape(KVH, -1, D)[:, rows].transpose(0, 1)
+        vv = v_cache.reshape(KVH, -1, D)[:, rows].transpose(0, 1)
+        torch.testing.assert_close(out[i : i + 1].float(), naive(q[i : i + 1], kk, vv, D**-0.5), atol=2e-2, rtol=2e-2)
+    return run, out
+
+
 @pytest.mark.parametrize("isa", ["auto", "amx", "avx2", "portable"])
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 @pytest.mark.parametrize("block_size", [4, 12, 16, 128])
@@ -175,29 +203,8 @@ def test_cpu_paged_decode_forced_paths(cpu_paged, block_size, shape, isa):
         pytest.skip(f"no {isa} path in this build")
     if isa == "amx" and block_size % 16:
         pytest.skip("the AMX decode takes blocks of a multiple of 16 tokens")
-    g = torch.Generator().manual_seed(3)
-    (H, KVH, D) = shape
     ctx = [1, 7, 8, 9, 15, 17, 33, 250, 2, 129]
-    nblocks = sum(-(-c // block_size) for c in ctx) + 2
-    k_cache = torch.randn(KVH, nblocks, block_size, D, generator=g).bfloat16()
-    v_cache = torch.randn(KVH, nblocks, block_size, D, generator=g).bfloat16()
-    perm = torch.randperm(nblocks, generator=g).tolist()
-    max_nb = max(-(-c // block_size) for c in ctx)
-    tables = [[perm.pop() for _ in range(-(-c // block_size))] for c in ctx]
-    table = torch.tensor([t + [0] * (max_nb - len(t)) for t in tables])
-    q = torch.randn(len(ctx), H, D, generator=g).bfloat16()
-    if isa in ("amx", "auto"):
-        for c, t in zip(ctx, tables):
-            if c % block_size:
-                k_cache[:, t[-1], c % block_size :] = float("nan")
-                v_cache[:, t[-1], c % block_size :] = float("nan")
-    run = lambda: cpu_paged._kernel.paged_decode(q, k_cache, v_cache, table, torch.tensor(ctx), D**-0.5, isa=isa)
-    out = run()
-    for i, (c, t) in enumerate(zip(ctx, tables)):
-        rows = torch.tensor([t[j // block_size] * block_size + j % block_size for j in range(c)])
-        kk = k_cache.reshape(KVH, -1, D)[:, rows].transpose(0, 1)
-        vv = v_cache.reshape(KVH, -1, D)[:, rows].transpose(0, 1)
-        torch.testing.assert_close(out[i : i + 1].float(), naive(q[i : i + 1], kk, vv, D**-0.5), atol=2e-2, rtol=2e-2)
+    run, out = checked_decode(cpu_paged, ctx, block_size, shape, isa, seed=3, nan_past_context=isa in ("amx", "auto"))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -215,27 +222,7 @@ def test_cpu_paged_decode_sides_past_the_whole_side_prefetch(cpu_paged, block_si
     window by window): right against naive attention, rows past the context NaN."""
     if isa not in decode_isas(cpu_paged):
         pytest.skip(f"no {isa} path in this build")
-    g = torch.Generator().manual_seed(5)
-    (H, KVH, D) = shape
-    ctx = [1100, 2500, 513, 1]
-    nblocks = sum(-(-c // block_size) for c in ctx) + 1
-    k_cache = torch.randn(KVH, nblocks, block_size, D, generator=g).bfloat16()
-    v_cache = torch.randn(KVH, nblocks, block_size, D, generator=g).bfloat16()
-    perm = torch.randperm(nblocks, generator=g).tolist()
-    tables = [[perm.pop() for _ in range(-(-c // block_size))] for c in ctx]
-    max_nb = max(len(t) for t in tables)
-    table = torch.tensor([t + [0] * (max_nb - len(t)) for t in tables])
-    for c, t in zip(ctx, tables):
-        if c % block_size:
-            k_cache[:, t[-1], c % block_size :] = float("nan")
-            v_cache[:, t[-1], c % block_size :] = float("nan")
-    q = torch.randn(len(ctx), H, D, generator=g).bfloat16()
-    out = cpu_paged._kernel.paged_decode(q, k_cache, v_cache, table, torch.tensor(ctx), D**-0.5, isa=isa)
-    for i, (c, t) in enumerate(zip(ctx, tables)):
-        rows = torch.tensor([t[j // block_size] * block_size + j % block_size for j in range(c)])
-        kk = k_cache.reshape(KVH, -1, D)[:, rows].transpose(0, 1)
-        vv = v_cache.reshape(KVH, -1, D)[:, rows].transpose(0, 1)
-        torch.testing.assert_close(out[i : i + 1].float(), naive(q[i : i + 1], kk, vv, D**-0.5), atol=2e-2, rtol=2e-2)
+    checked_decode(cpu_paged, [1100, 2500, 513, 1], block_size, shape, isa, seed=5, nan_past_context=True)
 
 
 def test_cpu_paged_decode_isa_errors(cpu_paged):
