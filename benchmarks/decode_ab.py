@@ -1,7 +1,7 @@
 """The decode attention kernel of two or more source trees, side by side, call by call.
 
     .venv/bin/python benchmarks/decode_ab.py [--revs HEAD~1,worktree] [--shapes 9/3,14/2]
-        [--batches 16,64] [--context 2048] [--kv-dtypes bf16,int8] [--decode-kernel cpp|amx] [--rounds 12]
+        [--batches 16,64] [--context 2048] [--kv-dtypes bf16,int8] [--decode-kernel cpp|amx|avx2] [--rounds 12]
 
 A kernel change is worth what it measures against its parent on the same host in the same minutes; on a
 shared 2-core host the speed of DRAM drifts by tens of percent over minutes, so two runs one after the
@@ -48,7 +48,11 @@ def worker(args: argparse.Namespace) -> None:
 
     from pdserve.attention.cpu_paged import AttentionPlan, CpuPagedAttention
 
-    attn = CpuPagedAttention(AttentionPlan(decode=args.decode_kernel))
+    attn = CpuPagedAttention(AttentionPlan(decode="cpp" if args.decode_kernel == "avx2" else args.decode_kernel))
+    decode = attn.decode
+    if args.decode_kernel == "avx2":  # the AVX2 + FMA kernel forced on a CPU that has more
+        def decode(q, cache, g, scale):  # type: ignore[no-redef]
+            return attn._decode_cpp(q, cache, g, scale, "avx2")
     d = args.head_dim
     setups = []
     for h, kvh, b, dt in points(args):
@@ -56,15 +60,16 @@ def worker(args: argparse.Namespace) -> None:
         q, caches, groups = ak.decode_inputs(dt, b, args.context, h, kvh, d, args.block_size, args.min_bytes,
                                              args.max_layers)
         for c, gr in zip(caches, groups):  # warm-up: the build, page faults, the thread pool
-            attn.decode(q, c, gr, d**-0.5)
+            decode(q, c, gr, d**-0.5)
         setups.append((q, caches, groups))
-    paths = {dt: attn.kernel_paths(s[1][0], h)[0] for (h, _, _, dt), s in zip(points(args), setups)}
+    paths = {dt: "C++ AVX2 + FMA (forced)" if args.decode_kernel == "avx2" else attn.kernel_paths(s[1][0], h)[0]
+             for (h, _, _, dt), s in zip(points(args), setups)}
     print("ready " + "; ".join(paths.values()), flush=True)
     for line in sys.stdin:
         q, caches, groups = setups[int(line)]
         t0 = time.perf_counter()
         for c, gr in zip(caches, groups):
-            attn.decode(q, c, gr, d**-0.5)
+            decode(q, c, gr, d**-0.5)
         print((time.perf_counter() - t0) / len(caches) * 1e6, flush=True)
 
 
@@ -88,8 +93,9 @@ def main() -> None:
     ap.add_argument("--kv-dtypes", default="bf16,int8", help="bf16, int8, fp8_e4m3")
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=128)
-    ap.add_argument("--decode-kernel", default="cpp", choices=["cpp", "amx"],
-                    help="the C++ kernel's default path, or its AMX one (a bf16 cache on an AMX CPU; others as cpp)")
+    ap.add_argument("--decode-kernel", default="cpp", choices=["cpp", "amx", "avx2"],
+                    help="the C++ kernel's default path, its AMX one (a bf16 cache on an AMX CPU; others as cpp), "
+                         "or its AVX2 + FMA one forced (what an AVX2-only host runs)")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--min-bytes", type=float, default=400e6, help="cache bytes one pass reads at least")
     ap.add_argument("--max-layers", type=int, default=30)

@@ -116,12 +116,27 @@ def test_decode_reads_quantized_cache(cpu_paged, kv_dtype, block_size, shape, is
     scattered blocks, all in one call, against float32 attention over the dequantized cache; the same
     bits with one thread as with two. `auto`: the engine's path; `avx2`: the AVX2 kernel forced (what CPUs
     without AVX-512 run), where this build has it."""
+    checked_quantized_decode(cpu_paged, kv_dtype, block_size, shape, isa, [1, 15, 16, 17, 33, 250, 700, 2, 64, 129])
+
+
+@pytest.mark.parametrize("isa", ["auto", "avx2"])
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+def test_decode_quantized_sides_past_the_whole_side_prefetch(cpu_paged, kv_dtype, block_size, isa):
+    """Contexts whose K or V side (rows, and their scales in step) is longer than what the decode kernels
+    prefetch into L2 whole (128 KB: 2,048 int8 rows of head_dim 64), so they stream a fixed lead ahead of
+    the compute: right against the dequantized reference on the engine's path and on the AVX2 one."""
+    checked_quantized_decode(cpu_paged, kv_dtype, block_size, (14, 2, 64), isa, [2100, 1, 3000, 513])
+
+
+def checked_quantized_decode(cpu_paged, kv_dtype, block_size, shape, isa, ctx):
+    """One paged_decode call over `ctx` (blocks scattered at random over a quantized cache) against float32
+    attention over the dequantized cache; the same bits with one thread as with two."""
     (H, KVH, D) = shape
     if isa == "avx2" and not cpu_paged._kernel.decode_avx2_path(H, KVH, D):
         pytest.skip("no AVX2 decode path in this build for this shape")
     g = torch.Generator().manual_seed(1)
-    nblocks = 320
-    ctx = [1, 15, 16, 17, 33, 250, 700, 2, 64, 129]
+    nblocks = sum(-(-c // block_size) for c in ctx) + 8
     cache = quantized_cache(KVH, nblocks, block_size, D, kv_dtype, g)
     tables, table = random_tables(ctx, block_size, nblocks, g)
     q = torch.randn(len(ctx), H, D, generator=g).bfloat16()

@@ -26,6 +26,8 @@
 #include <type_traits>
 #include <vector>
 
+#include <unistd.h>
+
 #if defined(__SSE__)
 #include <xmmintrin.h>
 #endif
@@ -158,8 +160,20 @@ HeadPlanes<R> head_planes(const typename R::T* k_cache, const typename R::T* v_c
 
 // decode_avx512's sides (an item's K or V) of up to kWholeSideLines (128 KB) arrive in L2 whole under the
 // compute of the side before; of a longer one the first kLeadLines (64 KB) so, the rest that far ahead of
-// its own compute.
+// its own compute (DecodeStreams). decode_avx2 takes sides up to a quarter of the core's L2 whole, 128 KB
+// at least (avx2_whole_side_lines).
 constexpr int64_t kWholeSideLines = 2048, kLeadLines = 1024;
+
+// The AVX2 kernel computes ~1.5x longer per byte than the AVX-512 one, so a whole side has more time to
+// arrive: on host H (2 MB L2) sides of 256 KB (bf16, 2k tokens) ran 2-7% slower streamed with the lead
+// than whole, 1 MB ones (8k) 3-8% faster; a quarter of L2 keeps both (128 KB on an EPYC's 512 KB).
+inline int64_t avx2_whole_side_lines() {
+  static const int64_t lines = [] {
+    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);  // glibc's reading of CPUID; 0 or -1 if unknown
+    return std::max<int64_t>(kWholeSideLines, l2 > 0 ? l2 / 4 / 64 : 0);
+  }();
+  return lines;
+}
 
 // The lines of a list of cache blocks, prefetched into L2 a few at a time while the kernel computes on
 // other rows: pace(done, total) issues prefetches until the share issued reaches done / total, so the
@@ -190,6 +204,82 @@ struct L2Stream {
       issued += n, off += 64 * n;
       if (off >= end) off = 0, ++j;
     }
+  }
+};
+
+// What arrives in L2 when, for one decode item (a sequence's kv head) of decode_avx512 and decode_avx2: a
+// side (its K or V: the rows, and a quantized cache's row parameters in step with them) of up to
+// `whole_lines` arrives whole under the compute of the side before it (V under K's, the thread's next
+// item's K under V's), paced to end as that compute ends. Of a longer side (at 8k tokens one side is
+// 1-2 MB, an AMX core's whole L2 and twice an EPYC core's; a V arriving whole under K's compute evicted
+// K's lines before they were read) the first kLeadLines arrive so and the rest kLeadLines ahead of its
+// own compute; a quantized V's row parameters still arrive whole under K's compute. The kernel calls
+// k_pass / v_pass with the share of K / V it has computed on, k_done between the passes, and v_pass(1, 1)
+// at the end; most calls return after one comparison. Those four are inlined: out of line, each call
+// spilled the kernel's vector registers (2-4% of a bf16 AMX call on host H).
+template <bool kQuantized>
+struct DecodeStreams {
+  struct Side {
+    L2Stream rows, params;
+    void start(const void* r, const float* slots, const int64_t* blk, int64_t L, int64_t BS, int64_t row_bytes) {
+      const int64_t nb = (L + BS - 1) / BS, last_rows = L - (nb - 1) * BS;
+      rows.start(r, blk, nb, BS * row_bytes, last_rows * row_bytes);
+      if (kQuantized) params.start(slots, blk, nb, BS * 4, last_rows * 4);
+    }
+    __attribute__((always_inline)) void upto(int64_t target, bool issue = true) {
+      target = std::min(target, rows.lines);
+      if (target <= rows.issued) return;  // (most calls: no division below)
+      rows.upto(target, issue);
+      if (kQuantized) params.upto((params.lines * target + rows.lines - 1) / rows.lines, issue);
+    }
+  };
+  Side k, v, next;  // this item's K and V, the thread's next item's K
+  const int64_t whole_lines;
+  int64_t side_lines = 0, k_ahead = 0, next_ahead = 0;
+
+  explicit DecodeStreams(int64_t whole) : whole_lines(whole) {}
+  int64_t ahead(int64_t lines) const { return lines <= whole_lines ? lines : kLeadLines; }
+  static int64_t share(int64_t lines, int64_t done, int64_t total) { return (lines * done + total - 1) / total; }
+
+  // The item's K and V (k_ahead of K's lines counted as already there: they arrived under the item
+  // before, or come from touch_k_head).
+  void start(const void* k_rows, const float* k_slots, const void* v_rows, const float* v_slots,
+             const int64_t* blocks, int64_t L, int64_t BS, int64_t row_bytes) {
+    k.start(k_rows, k_slots, blocks, L, BS, row_bytes);
+    v.start(v_rows, v_slots, blocks, L, BS, row_bytes);
+    side_lines = k.rows.lines, k_ahead = ahead(side_lines);
+    k.upto(k_ahead, /*issue=*/false);
+  }
+  void start_next(const void* k_rows, const float* k_slots, const int64_t* blocks, int64_t L, int64_t BS,
+                  int64_t row_bytes) {
+    next.start(k_rows, k_slots, blocks, L, BS, row_bytes);
+    next_ahead = ahead(next.rows.lines);
+  }
+  // A thread's first item reads the head of its K (k_ahead lines) in a pure-load pass first: one load per
+  // line and nothing else, as many misses in flight as the core allows, the L2 streamer running ahead in
+  // each page. A later item's arrived under the item before it.
+  void touch_k_head(const void* k_rows, const int64_t* blocks, int64_t L, int64_t BS, int64_t row_bytes) const {
+    uint64_t x = 0;
+    for (int64_t j = 0, left = 64 * k_ahead; j * BS < L && left > 0; ++j) {
+      const char* p = static_cast<const char*>(k_rows) + blocks[j] * BS * row_bytes;
+      const int64_t bytes = std::min(left, std::min(BS, L - j * BS) * row_bytes);
+      for (int64_t off = 0; off < bytes; off += 64) x |= *reinterpret_cast<const volatile uint64_t*>(p + off);
+      left -= bytes;
+    }
+    asm volatile("" : : "r"(x));  // keeps the loads
+  }
+  __attribute__((always_inline)) void k_pass(int64_t done, int64_t total) {  // done / total of K computed on
+    const int64_t f = share(side_lines, done, total);
+    if (k_ahead < side_lines) k.upto(f + kLeadLines);
+    v.upto(f - (side_lines - k_ahead));
+    // V's row parameters whole, whatever the side's length: the pass between K and V reads them all
+    // (p times the rows' scales), 8 lines of a 128-token block at a time, scattered.
+    if (kQuantized && v.params.issued < v.params.lines) v.params.upto(share(v.params.lines, done, total));
+  }
+  __attribute__((always_inline)) void k_done() { v.upto(k_ahead); }  // V's share due by the end of the K pass
+  __attribute__((always_inline)) void v_pass(int64_t done, int64_t total) {  // done / total of V computed on
+    if (v.rows.issued < side_lines) v.upto(share(side_lines, done, total) + kLeadLines);
+    if (next.rows.issued < next_ahead) next.upto(share(next_ahead, done, total));
   }
 };
 
@@ -816,16 +906,15 @@ inline void transpose8(__m256* r) {
 // head_dim D, G query heads per kv head, on AVX2 + FMA, a bf16, int8 or fp8 e4m3 cache (R above): scores
 // 8 rows at a time (one vector of 8 sums per head), the softmax 8 lanes at a time, p.v by 16-dim slices of
 // V (avx2::pv_block). An int8 cache (R::kIntDot) does both sides in integers: q.k by int_dots8, p.v by
-// int_pv_block (its accumulators in dim order). Memory as decode_avx512: V (and a quantized cache's row
-// parameters) prefetched into L2 at the pace of the K pass, the thread's next item's K at the pace of p.v
-// (L2Stream).
+// int_pv_block (its accumulators in dim order). Memory as decode_avx512: DecodeStreams (V into L2 under
+// the K pass, the thread's next item's K under p.v; long sides a fixed lead ahead).
 template <int D, int G, typename R>
 void decode_avx2(const at::BFloat16* q, const typename R::T* k_cache, const typename R::T* v_cache, const float* k_scale,
                  const float* v_scale, const int64_t* table, const int64_t* ctx, at::BFloat16* out, int64_t B, int64_t H,
                  int64_t KVH, int64_t NB, int64_t BS, int64_t max_blocks, float scale) {
   using T = typename R::T;
-  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T)), block_bytes = BS * row_bytes, scale_bytes = BS * 4;
-  for_each_item_ranged(ctx, B, KVH, [&](int64_t idx, bool, bool last) {
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+  for_each_item_ranged(ctx, B, KVH, [&](int64_t idx, bool first, bool last) {
     thread_local std::vector<float> scores;
     const int64_t b = idx / KVH, h = idx % KVH, L = ctx[b];
     const int64_t* blocks = table + b * max_blocks;
@@ -833,17 +922,14 @@ void decode_avx2(const at::BFloat16* q, const typename R::T* k_cache, const type
     const int64_t stride = nblocks * BS + 8;  // room for 8-row groups past L
     scores.resize(G * stride);
     const auto [kh, vh, ksh, vsh] = head_planes<R>(k_cache, v_cache, k_scale, v_scale, h, NB * BS, D);
-    L2Stream stream, params;  // rows, and a quantized cache's row parameters
-    const auto start_streams = [&](const T* rows, const float* slots, const int64_t* blk, int64_t L1) {
-      const int64_t nb1 = (L1 + BS - 1) / BS, last_rows = L1 - (nb1 - 1) * BS;
-      stream.start(rows, blk, nb1, block_bytes, last_rows * row_bytes);
-      if (R::kQuantized) params.start(slots, blk, nb1, scale_bytes, last_rows * 4);
-    };
-    const auto pace = [&](int64_t done, int64_t total) {
-      stream.pace(done, total);
-      if (R::kQuantized) params.pace(done, total);
-    };
-    start_streams(vh, vsh, blocks, L);
+    DecodeStreams<R::kQuantized> st(avx2_whole_side_lines());
+    st.start(kh, ksh, vh, vsh, blocks, L, BS, row_bytes);
+    if (!last) {
+      const int64_t b1 = (idx + 1) / KVH, h1 = (idx + 1) % KVH;
+      st.start_next(k_cache + h1 * NB * BS * D, R::kQuantized ? k_scale + h1 * NB * BS : nullptr,
+                    table + b1 * max_blocks, ctx[b1], BS, row_bytes);
+    }
+    if (first) st.touch_k_head(kh, blocks, L, BS, row_bytes);
     alignas(32) float qs[G][D], kf[R::kIntDot ? 1 : 8 * D];  // the query heads times scale; 8 K rows, split (split_rows8)
     alignas(32) int16_t q16[R::kIntDot ? G : 1][D], kw[R::kIntDot ? 8 * D : 1];  // int8: qs in int16 steps, 8 K rows
     float q_unit[G];
@@ -868,7 +954,7 @@ void decode_avx2(const at::BFloat16* q, const typename R::T* k_cache, const type
       const int64_t t0 = j * BS, n = std::min(BS, L - t0);
       int64_t t = 0;
       for (; t + 8 <= BS && t < n; t += 8) {  // 8 rows at a time (rows past n are read, never used)
-        pace(t0 + t + 8, L);
+        st.k_pass(t0 + t + 8, L);
         if constexpr (R::kIntDot) avx2::widen_rows8<D>(kb + t * D, kw);
         else avx2::split_rows8<D, R>(kb + t * D, kf);
         __m256 rs, rm;
@@ -920,22 +1006,16 @@ void decode_avx2(const at::BFloat16* q, const typename R::T* k_cache, const type
       if constexpr (R::kZero)
         for (int g = 0; g < G; ++g) z_sum[g] += avx2::hsum(zacc[g]);
     }
-    pace(1, 1);  // the rest of V
-    stream = params = L2Stream();
-    if (!last) {  // the thread's next item's K
-      const int64_t b1 = (idx + 1) / KVH, h1 = (idx + 1) % KVH;
-      start_streams(k_cache + h1 * NB * BS * D, R::kQuantized ? k_scale + h1 * NB * BS : nullptr,
-                    table + b1 * max_blocks, ctx[b1]);
-    }
+    st.k_done();
     alignas(32) float accm[G][D];
     std::memset(accm, 0, sizeof(accm));
     for (int64_t j = 0; j < nblocks; ++j) {
       const int64_t t0 = j * BS, n = std::min(BS, L - t0);
-      pace(t0 + n, L);
+      st.v_pass(t0 + n, L);
       if constexpr (R::kIntDot) avx2::int_pv_block<D, G>(accm, scores.data() + t0, stride, n, vh + blocks[j] * BS * D);
       else avx2::pv_block<D, G, R>(accm, scores.data() + t0, stride, n, vh + blocks[j] * BS * D);
     }
-    pace(1, 1);
+    st.v_pass(1, 1);
     for (int g = 0; g < G; ++g) {
       const __m256 z = _mm256_set1_ps(z_sum[g]);
       for (int c = 0; c < D / 16; ++c) {
@@ -1929,7 +2009,7 @@ __attribute__((always_inline)) inline void amx_pv(float (*accm)[D], const float*
 // pairs per instruction, no conversion of K), 16 tokens' scores reduced together; softmax_avx512; p.v:
 // pv_block, one 32-dim slice of V at a time. Memory: while one side (an item's K, then its V) is
 // computed on, the next (its V, then the thread's next item's K) is prefetched into L2 at the pace of
-// the compute (L2Stream). On host E (2 cores, DRAM ~17 GB/s) that read 11-12 GB/s at 16-64 sequences
+// the compute (DecodeStreams; long sides a fixed lead ahead). On host E (2 cores, DRAM ~17 GB/s) that read 11-12 GB/s at 16-64 sequences
 // where a pure-load pass before each side's compute read 9-10 (benchmarks/attention_kernels.py,
 // 128-token blocks scattered at random, session 18).
 // A quantized cache (R = Int8Rows, Fp8Rows) takes the same path: 16 K rows are converted to bf16 once
@@ -1949,7 +2029,6 @@ void decode_avx512(const at::BFloat16* q, const typename R::T* k_cache, const ty
                    float scale) {
   using T = typename R::T;
   constexpr int NC = D / 32;  // 32-dim slices of a row: bf16 vectors of q and k, cache lines of bf16 v
-  const int64_t block_bytes = BS * D * static_cast<int64_t>(sizeof(T)), scale_bytes = BS * 4;
   const __m512 vscale = _mm512_set1_ps(scale);
   for_each_item_ranged(ctx, B, KVH, [&](int64_t idx, bool first, bool last) {
     thread_local std::vector<float> scores;
@@ -1957,66 +2036,19 @@ void decode_avx512(const at::BFloat16* q, const typename R::T* k_cache, const ty
     const int64_t* blocks = table + b * max_blocks;
     const int64_t nblocks = (L + BS - 1) / BS;
     const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
-    // Streams into L2 (L2Stream) of one side (an item's K or V): its rows and a quantized cache's row
-    // parameters, the parameters issued in step with the rows.
-    struct Side {
-      L2Stream rows, params;
-      void upto(int64_t target, bool issue = true) {
-        target = std::min(target, rows.lines);
-        if (target <= rows.issued) return;  // (most calls: no division below)
-        rows.upto(target, issue);
-        if (R::kQuantized) params.upto((params.lines * target + rows.lines - 1) / rows.lines, issue);
-      }
-    };
-    const auto start_side = [&](Side& side, const T* rows, const float* slots, const int64_t* blk, int64_t L1) {
-      const int64_t nb1 = (L1 + BS - 1) / BS, last_rows = L1 - (nb1 - 1) * BS;
-      side.rows.start(rows, blk, nb1, block_bytes, last_rows * row_bytes);
-      if (R::kQuantized) side.params.start(slots, blk, nb1, scale_bytes, last_rows * 4);
-    };
     const at::BFloat16* qh = q + (b * H + h * G) * D;  // the group's G query heads, contiguous
     const int64_t stride = nblocks * BS + 16;  // room to store whole 16-token groups past L
     scores.resize(G * stride);
     const auto [kh, vh, ksh, vsh] = head_planes<R>(k_cache, v_cache, k_scale, v_scale, h, NB * BS, D);
-    // What arrives when: a side of up to kWholeSideLines arrives whole under the compute of the side
-    // before it (V under K's, the thread's next item's K under V's), paced to end as that compute ends;
-    // of a longer side (at 8k tokens one side is 1-2 MB, an AMX core's whole L2, and a V arriving whole
-    // under K's compute evicted K's lines before they were read) the first kLeadLines arrive so and the
-    // rest kLeadLines ahead of its own compute.
-    Side ks, vs, next;  // this item's K and V, the thread's next item's K
-    start_side(ks, kh, ksh, blocks, L);
-    start_side(vs, vh, vsh, blocks, L);
-    const int64_t side_lines = ks.rows.lines, k_ahead = side_lines <= kWholeSideLines ? side_lines : kLeadLines;
-    int64_t next_ahead = 0;
+    DecodeStreams<R::kQuantized> st(kWholeSideLines);
+    st.start(kh, ksh, vh, vsh, blocks, L, BS, row_bytes);
     if (!last) {
       const int64_t b1 = (idx + 1) / KVH, h1 = (idx + 1) % KVH;
-      start_side(next, k_cache + h1 * NB * BS * D, R::kQuantized ? k_scale + h1 * NB * BS : nullptr,
-                 table + b1 * max_blocks, ctx[b1]);
-      next_ahead = next.rows.lines <= kWholeSideLines ? next.rows.lines : kLeadLines;
+      st.start_next(k_cache + h1 * NB * BS * D, R::kQuantized ? k_scale + h1 * NB * BS : nullptr,
+                    table + b1 * max_blocks, ctx[b1], BS, row_bytes);
     }
-    // A thread's first item reads the head of its K in a pure-load pass first (one load per line and
-    // nothing else: as many misses in flight as the core allows, the L2 streamer running ahead in each
-    // page); a later item's arrived under the item before it.
-    if (first) {
-      __m512i x = _mm512_setzero_si512();
-      for (int64_t j = 0, left = 64 * k_ahead; j < nblocks && left > 0; ++j) {
-        const char* p = reinterpret_cast<const char*>(kh + blocks[j] * BS * D);
-        const int64_t bytes = std::min(left, std::min(BS, L - j * BS) * row_bytes);
-        for (int64_t off = 0; off < bytes; off += 64) x = _mm512_or_si512(x, _mm512_loadu_si512(p + off));
-        left -= bytes;
-      }
-      asm volatile("" : : "v"(x));  // keeps the loads
-    }
-    ks.upto(k_ahead, /*issue=*/false);
-    const auto share = [](int64_t lines, int64_t done, int64_t total) { return (lines * done + total - 1) / total; };
-    const auto k_pass = [&](int64_t done, int64_t total) {  // done / total of K computed on
-      const int64_t f = share(side_lines, done, total);
-      if (k_ahead < side_lines) ks.upto(f + kLeadLines);
-      vs.upto(f - (side_lines - k_ahead));
-    };
-    const auto v_pass = [&](int64_t done, int64_t total) {  // done / total of V computed on
-      if (vs.rows.issued < side_lines) vs.upto(share(side_lines, done, total) + kLeadLines);
-      if (next.rows.issued < next_ahead) next.upto(share(next_ahead, done, total));
-    };
+    if (first) st.touch_k_head(kh, blocks, L, BS, row_bytes);
+    const auto v_pass = [&](int64_t done, int64_t total) { st.v_pass(done, total); };
 #ifdef PDSERVE_HAVE_AMX
     static_assert(!kAmx || !R::kQuantized, "the AMX decode reads bf16 rows");
     [[maybe_unused]] AmxScores<D, G> amx;  // on the stack (trivial; unused without kAmx)
@@ -2047,7 +2079,7 @@ void decode_avx512(const at::BFloat16* q, const typename R::T* k_cache, const ty
       const int64_t t0 = j * BS, n = std::min(BS, L - t0);
       int64_t t = 0;
       for (; t + 16 <= BS && t < n; t += 16) {  // 16 rows at a time (rows past n are read, never used)
-        k_pass(t0 + t + 16, L);
+        st.k_pass(t0 + t + 16, L);
         __m512 row_scale = vscale, row_zero = _mm512_setzero_ps();  // softmax scale x the rows' s, m
         if constexpr (R::kQuantized) {
           __m512 s, m;
@@ -2133,7 +2165,7 @@ void decode_avx512(const at::BFloat16* q, const typename R::T* k_cache, const ty
       if constexpr (R::kZero)
         for (int g = 0; g < G; ++g) z_sum[g] = _mm512_reduce_add_ps(zacc[g]);
     }
-    vs.upto(k_ahead);  // V's share due by the end of the K pass
+    st.k_done();
     alignas(64) float accm[G][D];
     if constexpr (kAmx) {
 #ifdef PDSERVE_HAVE_AMX
