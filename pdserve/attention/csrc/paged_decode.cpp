@@ -259,14 +259,12 @@ struct DecodeStreams {
   // line and nothing else, as many misses in flight as the core allows, the L2 streamer running ahead in
   // each page. A later item's arrived under the item before it.
   void touch_k_head(const void* k_rows, const int64_t* blocks, int64_t L, int64_t BS, int64_t row_bytes) const {
-    uint64_t x = 0;
     for (int64_t j = 0, left = 64 * k_ahead; j * BS < L && left > 0; ++j) {
       const char* p = static_cast<const char*>(k_rows) + blocks[j] * BS * row_bytes;
       const int64_t bytes = std::min(left, std::min(BS, L - j * BS) * row_bytes);
-      for (int64_t off = 0; off < bytes; off += 64) x |= *reinterpret_cast<const volatile uint64_t*>(p + off);
+      for (int64_t off = 0; off < bytes; off += 64) (void)*reinterpret_cast<const volatile uint64_t*>(p + off);
       left -= bytes;
     }
-    asm volatile("" : : "r"(x));  // keeps the loads
   }
   __attribute__((always_inline)) void k_pass(int64_t done, int64_t total) {  // done / total of K computed on
     const int64_t f = share(side_lines, done, total);
@@ -2009,9 +2007,9 @@ __attribute__((always_inline)) inline void amx_pv(float (*accm)[D], const float*
 // pairs per instruction, no conversion of K), 16 tokens' scores reduced together; softmax_avx512; p.v:
 // pv_block, one 32-dim slice of V at a time. Memory: while one side (an item's K, then its V) is
 // computed on, the next (its V, then the thread's next item's K) is prefetched into L2 at the pace of
-// the compute (DecodeStreams; long sides a fixed lead ahead). On host E (2 cores, DRAM ~17 GB/s) that read 11-12 GB/s at 16-64 sequences
-// where a pure-load pass before each side's compute read 9-10 (benchmarks/attention_kernels.py,
-// 128-token blocks scattered at random, session 18).
+// the compute (DecodeStreams; long sides a fixed lead ahead). On host E (2 cores, DRAM ~17 GB/s) that
+// read 11-12 GB/s at 16-64 sequences where a pure-load pass before each side's compute read 9-10
+// (benchmarks/attention_kernels.py, 128-token blocks scattered at random, session 18).
 // A quantized cache (R = Int8Rows, Fp8Rows) takes the same path: 16 K rows are converted to bf16 once
 // into an L1 buffer that the G heads then read as they read a bf16 block (int8 with VNNI: widened to
 // int16 for integer dot products instead, see Int8Rows), the 16 scores are multiplied by their rows' K
