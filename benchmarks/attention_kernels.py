@@ -10,7 +10,11 @@ read from the cache and the GB/s that makes.
 AVX-512 kernel with q.k and p.v on AMX tiles (CPUs with AMX), `avx2` and `portable` the C++ kernel's AVX2 + FMA
 path and its portable loop forced (`paged_decode(isa=...)`), `torch` the reference's gather + bmm; `auto`
 the C++ kernel's default (the fastest ISA the build has; the engine's `--attention-backend auto` measures
-it against `amx` at start).
+it against `amx` at start). Speculative decoding's verification gives a sequence R query rows (its drafts
+and the token before them) over the same context: `verifyR` (e.g. `verify4`) times them as the engine
+runs them today, through the C++ prefill kernel (on AMX tiles where the CPU has them), and `rowsR` as R
+decode rows each over its own causal prefix (one table row repeated; the K/V of the sequence read R
+times, from L2 after the first): what verification costs next to the plain decode of the same context.
 
 Decode is bandwidth-bound: a step reads every running sequence's K and V once. A quantized row is D bytes
 plus 4 bytes of row parameters instead of 2D bytes (0.53x at head_dim 64), so the int8/fp8 columns should
@@ -75,6 +79,38 @@ def decode_call(attn: CpuPagedAttention, path: str):  # type: ignore[no-untyped-
     )
 
 
+def verify_call(attn: CpuPagedAttention, path: str):  # type: ignore[no-untyped-def]
+    """`verifyR` / `rowsR` (see --paths): R query rows per sequence of the group, the last R positions
+    of its context; the rows' inputs are built on the first call for each group (the warm-up pass)."""
+    verify = path.startswith("verify")
+    r = int(path.removeprefix("verify" if verify else "rows"))
+    inputs: dict[int, tuple] = {}
+
+    def call(q, cache, g, scale):  # type: ignore[no-untyped-def]
+        if id(g) not in inputs:
+            b = q.shape[0]
+            qr = q.repeat_interleave(r, 0)
+            if verify:
+                inputs[id(g)] = (qr, torch.arange(b) * r, torch.full((b,), r), g.context_lens, torch.empty_like(qr))
+            else:
+                ctx = (g.context_lens.view(-1, 1) - r + 1 + torch.arange(r)).reshape(-1)
+                inputs[id(g)] = (qr, g.block_table.repeat_interleave(r, 0), ctx)
+        k = attn._kernel
+        if verify:
+            qr, starts, lens, ctx, out = inputs[id(g)]
+            args = (g.block_table, starts, lens, ctx, scale, out)
+            if not k.paged_prefill_amx(qr, cache.k, cache.v, *args):
+                k.paged_prefill(qr, cache.k, cache.v, *args, cache.k_scale, cache.v_scale, "auto")
+            return out
+        qr, table, ctx = inputs[id(g)]
+        amx = k.decode_amx_fast_path(q.dtype == cache.k.dtype == torch.bfloat16, q.shape[1], cache.k.shape[0],
+                                     q.shape[2], cache.k.shape[2])
+        return k.paged_decode(qr, cache.k, cache.v, table, ctx, scale, cache.k_scale, cache.v_scale,
+                              isa="amx" if amx else "auto")
+
+    return call
+
+
 def decode_inputs(kv_dtype: str, batch: int, context: int, heads: int, kvh: int, head_dim: int, block_size: int,
                   min_bytes: float, max_layers: int) -> tuple[torch.Tensor, list[LayerCache], list[DecodeGroup]]:
     """One step's queries and enough layer caches (blocks scattered at random) that one pass over them
@@ -101,7 +137,7 @@ def measure(attn: CpuPagedAttention, kv_dtype: str, batch: int, context: int, ar
                                       args.max_layers)
     layers = len(caches)
     scale = d**-0.5
-    decode = decode_call(attn, path)
+    decode = verify_call(attn, path) if path.startswith(("verify", "rows")) else decode_call(attn, path)
     for cache, group in zip(caches, groups):  # warm-up: page faults, thread pool
         decode(q, cache, group, scale)
     times = []
@@ -125,7 +161,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--kv-dtypes", default=",".join(KV_DTYPES))
     ap.add_argument("--paths", default="auto",
-                    help="decode paths on the bf16 cache, one column each: auto, amx, avx2, portable, torch")
+                    help="decode paths on the bf16 cache, one column each: auto, amx, avx2, portable, torch, "
+                         "verifyR, rowsR (R query rows per sequence, e.g. verify4)")
     ap.add_argument("--heads", type=int, default=9)
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)

@@ -59,6 +59,11 @@ class AttentionMetadata:
 class AttentionBackend(Protocol):
     name: str
     pads_decodes: bool  # decode cost grows with padding: the runner groups decodes by context length
+    # A request with at most this many new tokens attends as that many decode rows, each over its own
+    # causal prefix (the runner lays them out with the decodes), not as a prefill chunk: 1 for one-token
+    # decodes only; more where the decode kernel reads a short query's context faster than the prefill
+    # kernel does (speculative verification: its drafts and the token before them).
+    max_decode_rows: int
 
     def forward(
         self,

@@ -141,6 +141,16 @@ class AttentionPlan:
         )
 
 
+# Up to this many query rows of one sequence (a verification's drafts and the token before them) run
+# as decode rows, each over its own prefix, rather than through the prefill kernel: the decode kernel
+# reads the sequence's K/V once per row, from L2 after the first, and the prefill kernel's 16-row tiles
+# over the whole context cost more than that for a few rows (`benchmarks/attention_kernels.py --paths
+# amx,verify2,rows2,verify3,rows3,verify4,rows4`; host H, session 39: 2.0-2.2x faster at 2 rows and
+# 1.5x or more at 3; at 4-5 rows faster at 512 tokens but slower at 16 x 2k in one run of two, where a
+# sequence's K/V no longer stays in L2 between its rows).
+VERIFY_AS_DECODE_ROWS = 3
+
+
 class CpuPagedAttention(TorchAttention):
     """The C++ kernels, consulting an `AttentionPlan` (set by `autotune`) per phase: one step may run the
     C++ decode and torch's SDPA for its prompt chunks. Without a plan, the C++ kernels wherever they run."""
@@ -163,6 +173,7 @@ class CpuPagedAttention(TorchAttention):
         self._plan = plan
         # The reference's decode pads each group to its longest context: let the runner bound the padding.
         self.pads_decodes = plan.decode == "torch"
+        self.max_decode_rows = 1 if plan.decode == "torch" else VERIFY_AS_DECODE_ROWS
 
     def supports_kv_dtype(self, kv_dtype: str) -> bool:
         """The kernels read bf16 and float32 caches, and int8 / fp8 e4m3 ones in place (the storage dtype's

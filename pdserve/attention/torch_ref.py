@@ -29,6 +29,7 @@ from pdserve.kv.cache import LayerCache, write
 class TorchAttention:
     name = "torch"
     pads_decodes = True
+    max_decode_rows = 1  # rows as decodes would gather their context once per row
 
     def forward(self, q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:  # type: ignore[no-untyped-def]
         self.write_kv(k, v, cache, meta.slot_mapping)

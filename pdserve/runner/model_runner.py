@@ -71,7 +71,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         batch = out.to_batch()
         # Decodes first, by context length (so similar lengths share a padded attention group).
-        scheduled = sorted(batch.requests, key=_layout_key)
+        scheduled = sorted(batch.requests, key=self._layout_key)
         hidden, last_index = self._forward(scheduled, after_layer)
 
         prompt_logprobs = self._prompt_logprobs(scheduled, hidden, last_index)
@@ -142,7 +142,7 @@ class ModelRunner:
         given. Teacher-forced scoring (`pdserve.bench.accuracy`) wants every position's distribution,
         not a sample; the caller owns the block tables (allocated from the engine's block manager)."""
         assert len(num_scored) == len(requests)
-        order = sorted(range(len(requests)), key=lambda i: _layout_key(requests[i]))
+        order = sorted(range(len(requests)), key=lambda i: self._layout_key(requests[i]))
         scheduled = [requests[i] for i in order]
         hidden, last_index = self._forward(scheduled)
         if not any(num_scored):  # a prompt prefill: only the cache is wanted
@@ -246,20 +246,27 @@ class ModelRunner:
         req_of_token = torch.repeat_interleave(torch.arange(num_reqs), lens_t)
         positions = torch.arange(int(cu[-1])) - (cu - lens_t - starts_t)[req_of_token]
         slot_mapping = table[req_of_token, positions // bs] * bs + positions % bs
-        num_decodes = sum(1 for n in lens if n == 1)
+        # Requests of up to `max_decode_rows` new tokens (decodes; a verification's drafts and the token
+        # before them) come first and attend as decode rows, each over its own causal prefix: row j of
+        # such a request sees the context up to its own position, through the request's table row.
+        num_decodes = sum(1 for n in lens if n <= self.attn.max_decode_rows)
+        num_rows = int(cu[num_decodes - 1]) if num_decodes else 0
+        row_req = req_of_token[:num_rows]
+        row_ctx = positions[:num_rows] + 1
         groups = []
         max_waste = 0.25 if self.attn.pads_decodes else float("inf")
-        for g0, g1 in _decode_groups([starts[i] + 1 for i in range(num_decodes)], max_waste):
-            nb = -(-(starts[g1 - 1] + 1) // bs)  # contexts ascend: the last is the longest
+        for g0, g1 in _decode_groups(row_ctx.tolist(), max_waste):
+            ctx = row_ctx[g0:g1]
+            nb = -(-int(ctx.max()) // bs)
             groups.append(DecodeGroup(
                 query_start=g0,
                 num_seqs=g1 - g0,
-                block_table=table[g0:g1, :nb].contiguous().to(self.device),
-                context_lens=ctx_t[g0:g1].to(self.device),
-                mask=(torch.arange(nb * bs) < ctx_t[g0:g1, None]).view(g1 - g0, 1, 1, nb * bs).to(self.device),
+                block_table=table[row_req[g0:g1], :nb].to(self.device),
+                context_lens=ctx.to(self.device),
+                mask=(torch.arange(nb * bs) < ctx[:, None]).view(g1 - g0, 1, 1, nb * bs).to(self.device),
             ))
         prefills: list[PrefillSeq] = []
-        q_start = num_decodes
+        q_start = num_rows
         for i in range(num_decodes, num_reqs):
             n, ctx = lens[i], starts[i] + lens[i]
             blocks = mask = None
@@ -274,7 +281,7 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=slot_mapping.to(dev),
-            num_decode_tokens=num_decodes,
+            num_decode_tokens=num_rows,
             decode_groups=groups,
             prefills=prefills,
             prefill_block_table=table[num_decodes:] if prefills else None,
@@ -285,9 +292,9 @@ class ModelRunner:
         last_index = (cu - 1).tolist()
         return torch.tensor(token_ids, device=dev), positions.to(dev), meta, last_index, table
 
-
-def _layout_key(r: BatchRequest) -> tuple[bool, int]:
-    return (r.num_new_tokens != 1, r.start)
+    def _layout_key(self, r: BatchRequest) -> tuple[bool, int]:
+        """Requests that attend as decode rows first (`_prepare`), then prompt chunks; each by context."""
+        return (r.num_new_tokens > self.attn.max_decode_rows, r.start)
 
 
 def _decode_groups(context_lens: list[int], max_waste: float = 0.25) -> list[tuple[int, int]]:
