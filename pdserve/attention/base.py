@@ -31,11 +31,13 @@ class PrefillSeq:
 
 @dataclass(slots=True)
 class DecodeGroup:
-    """Decode requests of similar context length, attended together padded to the longest of them
-    (grouping bounds the padding: one group over contexts of 20 and 2,000 tokens would waste 99%)."""
+    """Decode rows of similar context length, attended together padded to the longest of them
+    (grouping bounds the padding: one group over contexts of 20 and 2,000 tokens would waste 99%). A
+    row is a decode request's query, or one of a short request's (`AttentionBackend.max_decode_rows`),
+    each with its own context length and its request's table row."""
 
     query_start: int
-    num_seqs: int
+    num_seqs: int  # rows
     block_table: torch.Tensor  # [num_seqs, max_blocks] int64, padded with 0
     context_lens: torch.Tensor  # [num_seqs] int64
     mask: torch.Tensor  # [num_seqs, 1, 1, max_blocks * block_size] bool: True where a slot is real

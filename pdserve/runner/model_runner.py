@@ -256,14 +256,14 @@ class ModelRunner:
         groups = []
         max_waste = 0.25 if self.attn.pads_decodes else float("inf")
         for g0, g1 in _decode_groups(row_ctx.tolist(), max_waste):
-            ctx = row_ctx[g0:g1]
-            nb = -(-int(ctx.max()) // bs)
+            group_ctx = row_ctx[g0:g1]
+            nb = -(-int(group_ctx.max()) // bs)
             groups.append(DecodeGroup(
                 query_start=g0,
                 num_seqs=g1 - g0,
                 block_table=table[row_req[g0:g1], :nb].to(self.device),
-                context_lens=ctx.to(self.device),
-                mask=(torch.arange(nb * bs) < ctx[:, None]).view(g1 - g0, 1, 1, nb * bs).to(self.device),
+                context_lens=group_ctx.to(self.device),
+                mask=(torch.arange(nb * bs) < group_ctx[:, None]).view(g1 - g0, 1, 1, nb * bs).to(self.device),
             ))
         prefills: list[PrefillSeq] = []
         q_start = num_rows
@@ -298,7 +298,7 @@ class ModelRunner:
 
 
 def _decode_groups(context_lens: list[int], max_waste: float = 0.25) -> list[tuple[int, int]]:
-    """Split ascending context lengths into runs [start, end) whose padding to the run's longest wastes
+    """Split (near-)ascending context lengths into runs [start, end) whose padding to the run's longest wastes
     at most `max_waste` of the attended slots (a single run when lengths are similar)."""
     groups = []
     start, total = 0, 0
