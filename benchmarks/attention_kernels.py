@@ -94,7 +94,9 @@ def verify_call(attn: CpuPagedAttention, path: str):  # type: ignore[no-untyped-
                 inputs[id(g)] = (qr, torch.arange(b) * r, torch.full((b,), r), g.context_lens, torch.empty_like(qr))
             else:
                 ctx = (g.context_lens.view(-1, 1) - r + 1 + torch.arange(r)).reshape(-1)
-                inputs[id(g)] = (qr, g.block_table.repeat_interleave(r, 0), ctx)
+                amx = attn._kernel.decode_amx_fast_path(q.dtype == cache.k.dtype == torch.bfloat16, q.shape[1],
+                                                        cache.k.shape[0], q.shape[2], cache.k.shape[2])
+                inputs[id(g)] = (qr, g.block_table.repeat_interleave(r, 0), ctx, "amx" if amx else "auto")
         k = attn._kernel
         if verify:
             qr, starts, lens, ctx, out = inputs[id(g)]
@@ -102,11 +104,8 @@ def verify_call(attn: CpuPagedAttention, path: str):  # type: ignore[no-untyped-
             if not k.paged_prefill_amx(qr, cache.k, cache.v, *args):
                 k.paged_prefill(qr, cache.k, cache.v, *args, cache.k_scale, cache.v_scale, "auto")
             return out
-        qr, table, ctx = inputs[id(g)]
-        amx = k.decode_amx_fast_path(q.dtype == cache.k.dtype == torch.bfloat16, q.shape[1], cache.k.shape[0],
-                                     q.shape[2], cache.k.shape[2])
-        return k.paged_decode(qr, cache.k, cache.v, table, ctx, scale, cache.k_scale, cache.v_scale,
-                              isa="amx" if amx else "auto")
+        qr, table, ctx, isa = inputs[id(g)]
+        return k.paged_decode(qr, cache.k, cache.v, table, ctx, scale, cache.k_scale, cache.v_scale, isa=isa)
 
     return call
 
